@@ -1,0 +1,38 @@
+"""hf-mars: MARS (Mask AutoRegression) for transformers and TRL.
+
+Public names are imported lazily so that `import hf_mars` stays cheap (TRL and
+datasets are only loaded when the trainer is used).
+"""
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "add_mask_token": "hf_mars.tokens",
+    "get_mars_metadata": "hf_mars.tokens",
+    "set_mars_metadata": "hf_mars.tokens",
+    "DEFAULT_MASK_TOKEN": "hf_mars.tokens",
+    "MARSConfig": "hf_mars.trainer",
+    "MARSTrainer": "hf_mars.trainer",
+    "MARSDataCollator": "hf_mars.trainer",
+    "build_mars_attention_mask": "hf_mars.masking",
+    "mars_generate": "hf_mars.generation",
+    "enable_mars": "hf_mars.generation",
+    "save_for_hub": "hf_mars.hub",
+    "push_to_hub": "hf_mars.hub",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        import importlib
+
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hf_mars' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,5 @@
+import sys
+
+from hf_mars.cli import main
+
+sys.exit(main())

@@ -1,0 +1,34 @@
+"""The `hf-mars` command: one sub-command per job, each defined next to the code it runs."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# sub-command -> (module, help). Each module defines `add_arguments(parser)` and `run(args) -> int | None`.
+COMMANDS = {
+    "demo": ("hf_mars.demo", "Train, decode and report MARS on the embedded tiny default (offline, CPU)."),
+    "bench": ("hf_mars.bench", "Tokens/s and tokens/forward of MARS decoding against plain generate."),
+    "push": ("hf_mars.hub", "Push a MARS checkpoint folder to the Hugging Face Hub."),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-mars", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    rc = importlib.import_module(args._module).run(args)
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
