@@ -1,0 +1,142 @@
+"""Prepared GPU check (issue 3, item 8): step costs and loop overhead on random Qwen2.5-shaped models in bf16.
+
+No weights are needed (shapes are enough for timing). For Qwen2.5-0.5B and -7B shapes it measures,
+at batch 1, 4 and 16 over a ~512-position cache:
+- cost(w): one cached forward of w new positions (w = 1, 1+B, 2B, 16, 32), LM head on the positions a loop reads;
+- plain greedy `generate` vs the MARS loop (tau = 0: every candidate accepted; sliding, block, verify):
+  wall time, forward calls, model time per step (synchronised hooks) and the loop's own overhead per step.
+
+Run once, as one script, on a machine with a CUDA GPU (about 3-6 minutes on an H100/H200):
+
+    python benchmarks/gpu_timings.py --output gpu_timings.json          # both shapes
+    python benchmarks/gpu_timings.py --shapes 0.5b --batch-sizes 1 4    # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+SHAPES = {  # Qwen2.5 configs (hidden, layers, heads, kv heads, intermediate, vocab, tie)
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+               intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+}
+
+
+def build(shape: str, device: str):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, rope_theta=1e6)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = Qwen2ForCausalLM(cfg).eval()
+        finally:
+            torch.set_default_dtype(prev)
+    mask_id = cfg.vocab_size - 1
+    cfg.mars = {"mask_token_id": mask_id, "mask_token": "<|mask|>", "block_size": 4}
+    model.generation_config.eos_token_id = None  # random weights: run to length
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=["0.5b", "7b"], choices=list(SHAPES))
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--block-size", type=int, default=4)
+    p.add_argument("--past", type=int, default=512)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--output", default="gpu_timings.json")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("No CUDA device: this script is for a machine with a GPU.")
+    from hf_mars.bench import ForwardRecorder, measure_step_cost
+    from hf_mars.generation import enable_mars
+
+    B = args.block_size
+    widths = sorted({1, 1 + B, 2 * B, 16, 32})
+    result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "block_size": B, "past": args.past,
+              "shapes": {}}
+    for shape in args.shapes:
+        model = build(shape, "cuda")
+        enable_mars(model)
+        res = result["shapes"][shape] = {"params": sum(q.numel() for q in model.parameters()), "batches": {}}
+        for b in args.batch_sizes:
+            entry = res["batches"][str(b)] = {}
+            entry["cost_ms"] = {str(w): 1e3 * measure_step_cost(model, b, w, args.past, repeats=20,
+                                                                logits_to_keep=1 if w == 1 else min(w, B + 1))
+                                for w in widths}
+            g = torch.Generator().manual_seed(0)
+            ids = torch.randint(10, 1000, (b, args.prompt_len), generator=g).cuda()
+            mask = torch.ones_like(ids)
+            base = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=args.max_new_tokens,
+                        return_dict_in_generate=True)
+            configs = {
+                "ar": {},
+                "sliding": dict(mars=True, mars_threshold=0.0, mars_block_size=B, mars_cache="sliding"),
+                "block16": dict(mars=True, mars_threshold=0.0, mars_block_size=B, mars_cache="block", mars_cache_block=16),
+                "verify": dict(mars=True, mars_threshold=0.0, mars_block_size=B, mars_verify=True),
+            }
+            for name, kw in configs.items():
+                try:
+                    model.generate(**base, **kw)  # warm-up
+                    walls = []
+                    for _ in range(args.repeats):
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        out = model.generate(**base, **kw)
+                        torch.cuda.synchronize()
+                        walls.append(time.perf_counter() - t0)
+                    with ForwardRecorder(model, sync=True) as rec:
+                        model.generate(**base, **kw)
+                    wall = statistics.median(walls)
+                    new = out.sequences.shape[1] - ids.shape[1]
+                    entry[name] = {
+                        "wall_ms": wall * 1e3, "forwards": rec.calls, "new_tokens_per_row": new,
+                        "tokens_per_s": b * new / wall,
+                        "model_ms_per_step": rec.model_time / rec.calls * 1e3,
+                        "overhead_ms_per_step": (wall - rec.model_time) / rec.calls * 1e3,
+                        "mean_width": statistics.mean(rec.widths[1:]) if len(rec.widths) > 1 else None,
+                    }
+                except Exception as exc:  # record and go on: one failing mode must not lose the others
+                    entry[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            ar = entry["ar"]
+            for name in configs:
+                if name != "ar" and "wall_ms" in entry[name] and "wall_ms" in ar:
+                    entry[name]["speedup"] = entry[name]["tokens_per_s"] / ar["tokens_per_s"]
+            print(json.dumps({shape: {b: entry}}, indent=None), flush=True)
+        del model
+        torch.cuda.empty_cache()
+    with open(args.output, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.output}")
+    for shape, res in result["shapes"].items():
+        print(f"\n{shape} ({res['params'] / 1e9:.2f}B params)")
+        print("batch  cost(1)  cost(1+B)  ratio  | mode     fwds  model ms/step  ovh ms/step  speedup")
+        for b, e in res["batches"].items():
+            c1, cB = e["cost_ms"]["1"], e["cost_ms"][str(1 + B)]
+            for name in ("ar", "sliding", "block16", "verify"):
+                r = e.get(name, {})
+                if "wall_ms" not in r:
+                    print(f"{b:>5}  {name}: {r.get('error')}")
+                    continue
+                print(f"{b:>5}  {c1:7.2f}  {cB:9.2f}  {cB / c1:5.2f}  | {name:8} {r['forwards']:4d}  {r['model_ms_per_step']:13.2f}"
+                      f"  {r['overhead_ms_per_step']:11.2f}  {r.get('speedup', 1.0):6.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

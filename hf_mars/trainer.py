@@ -1,0 +1,540 @@
+"""MARS training on TRL: `MARSConfig` (an `SFTConfig`), `MARSDataCollator` and `MARSTrainer` (an `SFTTrainer`).
+
+The trainer keeps everything SFTTrainer does (dataset formats, completion-only / assistant-only loss,
+packing, padding-free, PEFT, accelerate launchers) and replaces the loss by the MARS objective
+(spec, section 1): one forward over ``[z ; x]`` with the four-rule attention mask, AR-aligned
+targets, ``L = noisy CE + ar_weight * clean CE`` under "sequence" or "token" normalisation.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase, ProcessorMixin
+from trl import SFTConfig, SFTTrainer
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+from .masking import (
+    build_mars_attention_mask,
+    build_noisy_input_ids,
+    positions_from_attention_mask,
+    sequence_ids_from_positions,
+    shift_labels_for_positions,
+)
+from .tokens import DEFAULT_MASK_TOKEN, add_mask_token, set_mars_metadata
+
+__all__ = ["MARSConfig", "MARSDataCollator", "MARSTrainer"]
+
+_NORMALIZATIONS = ("sequence", "token")
+
+
+def _fast_bf16_available(use_cpu: bool) -> bool:
+    """bf16 autocast pays off on CUDA GPUs with native bf16 (Ampere+) and Intel XPUs, not on CPUs."""
+    if use_cpu:
+        return False
+    if torch.cuda.is_available():
+        return bool(torch.cuda.is_bf16_supported())
+    return bool(hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+def _accelerator_available(use_cpu: bool) -> bool:
+    if use_cpu:
+        return False
+    return torch.cuda.is_available() or bool(hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+@dataclass
+class MARSConfig(SFTConfig):
+    r"""
+    Configuration class for the [`MARSTrainer`].
+
+    Extends [`~trl.SFTConfig`] (every SFT option keeps its meaning) with the parameters of the MARS objective: the
+    model input is ``[z ; x]`` where the noisy stream ``z`` is ``x`` with every trained position replaced by the mask
+    token, the attention follows the MARS block rule, and the loss is ``noisy CE + ar_weight * clean CE``.
+
+    Parameters:
+        > Parameters that control the MARS objective
+
+        block_size (`int`, *optional*, defaults to `4`):
+            Block size `B`: the number of future tokens the model learns to predict from mask tokens in one forward
+            pass. Position `p` belongs to block `p // B`, counted from the start of its own sequence. The paper
+            uses 4 (also 8 and 16). Recorded in the saved `config.json` under `mars.block_size`, so generation
+            defaults to it.
+        ar_weight (`float`, *optional*, defaults to `1.0`):
+            Weight `α` of the AR (clean-stream) loss, which is exactly the ordinary SFT loss. With `0.0` the AR
+            quality decays as `block_size` grows; the paper uses `1.0`.
+        mask_token (`str`, *optional*, defaults to `"<|mask|>"`):
+            The mask token. Added to the tokenizer (and a row to the embeddings, initialised at the mean embedding)
+            when absent; reused when present. It must not be an ordinary token of the vocabulary.
+        loss_normalization (`str`, *optional*, defaults to `"sequence"`):
+            How the summed token losses are normalised. `"sequence"` (the reference): each sequence's loss is
+            divided by its number of trained tokens, then averaged over the sequences of the batch (with packing,
+            over the packed sequences). `"token"`: divided by the number of trained tokens in the batch. Both are
+            exact under gradient accumulation and data parallelism (the denominator is counted over the whole
+            accumulated, all-process batch).
+        pad_to_block_multiple (`bool`, *optional*, defaults to `True`):
+            Whether the data collator pads every example (every packed sequence, with packing) with trained EOS
+            tokens up to a multiple of `block_size`, as the reference does, so that the model learns that EOS
+            follows EOS and the last block is complete. A sequence may then exceed `max_length` by up to
+            `block_size - 1` tokens.
+
+        > Defaults that differ from [`~trl.SFTConfig`]
+
+        bf16 (`bool`, *optional*):
+            Whether to use bf16 mixed precision. If not set, it is `True` only where bf16 is fast: a CUDA GPU with
+            native bf16 support or an Intel XPU (and `fp16` is not set). On CPU it defaults to `False`, unlike
+            SFTConfig: bf16 autocast made a tiny-model step about 8x slower on a 2-core CPU.
+        gradient_checkpointing (`bool`, *optional*):
+            Whether to trade compute for memory by recomputing activations (`activation_checkpointing` in
+            transformers >= 5.24, of which this is the deprecated alias). If neither is set, it is `True` on a GPU/XPU
+            (MARS sequences are twice as long, so activations double) and `False` on CPU, where memory is rarely the
+            limit and the recomputation costs ~20% of the step.
+    """
+
+    block_size: int = field(
+        default=4,
+        metadata={"help": "Block size B: the number of future tokens predicted from mask tokens per forward pass."},
+    )
+    ar_weight: float = field(
+        default=1.0,
+        metadata={"help": "Weight of the AR (clean-stream) loss added to the noisy-stream (mask) loss."},
+    )
+    mask_token: str = field(
+        default=DEFAULT_MASK_TOKEN,
+        metadata={"help": "The mask token; added to the tokenizer and embeddings when absent."},
+    )
+    loss_normalization: str = field(
+        default="sequence",
+        metadata={
+            "help": "'sequence': per-sequence mean over its trained tokens, then mean over sequences (reference). "
+            "'token': sum over the batch divided by its trained-token count.",
+            "choices": list(_NORMALIZATIONS),
+        },
+    )
+    pad_to_block_multiple: bool = field(
+        default=True,
+        metadata={"help": "Pad every example with trained EOS tokens up to a multiple of block_size."},
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Whether to use bf16 mixed precision. If not set: True on a GPU with native bf16 or an XPU, "
+            "False on CPU (bf16 autocast is slow there)."
+        },
+    )
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Recompute activations in the backward pass to save memory. If not set: True on a GPU/XPU, "
+            "False on CPU."
+        },
+    )
+
+    def __post_init__(self):
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1 (the paper uses 4), got {self.block_size!r}.")
+        if self.ar_weight is None or float(self.ar_weight) < 0:
+            raise ValueError(f"ar_weight must be >= 0 (the paper uses 1.0), got {self.ar_weight!r}.")
+        self.ar_weight = float(self.ar_weight)
+        if self.loss_normalization not in _NORMALIZATIONS:
+            raise ValueError(
+                f"loss_normalization must be one of {_NORMALIZATIONS}, got {self.loss_normalization!r}."
+            )
+        if not isinstance(self.mask_token, str) or not self.mask_token:
+            raise ValueError("mask_token must be a non-empty string, e.g. '<|mask|>'.")
+        if self.loss_type not in ("nll", "chunked_nll"):
+            raise ValueError(
+                f"MARSTrainer computes its own objective; loss_type={self.loss_type!r} is not supported. Leave "
+                "loss_type at 'nll'."
+            )
+        if self.bf16 is None:
+            self.bf16 = (not self.fp16) and _fast_bf16_available(self.use_cpu)
+        if self.gradient_checkpointing is None and getattr(self, "activation_checkpointing", None) is None:
+            # transformers >= 5.24 names it activation_checkpointing (gradient_checkpointing is its deprecated alias)
+            if hasattr(self, "activation_checkpointing"):
+                self.activation_checkpointing = _accelerator_available(self.use_cpu)
+            else:
+                self.gradient_checkpointing = _accelerator_available(self.use_cpu)
+        super().__post_init__()
+
+
+@dataclass
+class MARSDataCollator(DataCollatorForLanguageModeling):
+    """`DataCollatorForLanguageModeling` that first pads each example to a multiple of the block size.
+
+    The padding is trained EOS (label = EOS), per packed sequence when the example carries
+    ``seq_lengths``. Doing it here (not in the loss) keeps the dataloader batch identical to what
+    `MARSTrainer.compute_loss` consumes, and lets the token count for gradient accumulation see it.
+    """
+
+    block_size: int = 4
+    eos_token_id: int | None = None
+    pad_to_block_multiple: bool = True
+
+    def _pad_example(self, example: dict[str, Any]) -> dict[str, Any]:
+        ids = list(example["input_ids"])
+        labels = list(example["labels"]) if "labels" in example else list(ids)
+        lengths = list(example["seq_lengths"]) if "seq_lengths" in example else [len(ids)]
+        new_ids, new_labels, new_lengths, start = [], [], [], 0
+        for length in lengths:
+            extra = (-length) % self.block_size
+            new_ids += ids[start:start + length] + [self.eos_token_id] * extra
+            new_labels += labels[start:start + length] + [self.eos_token_id] * extra
+            new_lengths.append(length + extra)
+            start += length
+        out = dict(example)
+        out["input_ids"], out["labels"] = new_ids, new_labels
+        if "seq_lengths" in example:
+            out["seq_lengths"] = new_lengths
+        return out
+
+    def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        if self.pad_to_block_multiple and self.block_size > 1:
+            if self.eos_token_id is None:
+                raise ValueError("MARSDataCollator needs eos_token_id to pad examples to a block multiple.")
+            examples = [self._pad_example(example) for example in examples]
+        return super().torch_call(examples)
+
+
+def _has_trainable_token(dataset) -> bool:
+    """True when some example has a trained label after its first token (position 0 is never a target)."""
+    from datasets import IterableDataset
+
+    columns = dataset.column_names or []
+    key = "labels" if "labels" in columns else "input_ids"
+    if isinstance(dataset, IterableDataset):
+        for i, example in enumerate(dataset):
+            if any(label != -100 for label in list(example[key])[1:]):
+                return True
+            if i >= 1000:  # an iterable dataset is not scanned in full; assume the rest is like its start
+                return True
+        return False
+    for batch in dataset.select_columns([key]).iter(batch_size=1000):
+        for labels in batch[key]:
+            if any(label != -100 for label in list(labels)[1:]):
+                return True
+    return False
+
+
+class MARSTrainer(SFTTrainer):
+    """`SFTTrainer` that trains with the MARS objective (noisy mask stream + clean AR stream).
+
+    Accepts what SFTTrainer accepts (``model`` as a name/path or a model, conversational, prompt-completion or
+    plain-text datasets, packing, padding-free, PEFT). Adds the mask token itself when the tokenizer lacks it and
+    records ``config.mars = {block_size, mask_token_id, mask_token, ar_weight}``, which every saved checkpoint
+    carries in its config.json. Logs ``mars_loss`` (noisy stream) and ``ar_loss`` (clean stream) separately, and
+    ``mask_accuracy`` plus ``mask_accuracy_{j}`` for j = 1..B (prefixed ``eval_`` at evaluation).
+    """
+
+    _tag_names = ["trl", "sft", "mars"]
+    _name = "MARS"
+
+    def __init__(self, model, args: MARSConfig | None = None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, peft_config=None, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model") or "model"
+            args = MARSConfig(f"{str(name).rstrip('/').split('/')[-1]}-MARS")
+        elif not isinstance(args, MARSConfig):
+            dict_args = args.to_dict()
+            dict_args["hub_token"] = args.hub_token
+            args = MARSConfig(**dict_args)
+        if kwargs.get("compute_loss_func") is not None:
+            raise ValueError("MARSTrainer computes the MARS objective itself; compute_loss_func is not supported.")
+
+        # The model must exist (and have the mask token) before SFTTrainer wraps it (PEFT, accelerate).
+        if isinstance(model, str):
+            from transformers import set_seed
+            from trl.trainer.utils import create_model_from_path
+
+            set_seed(args.seed)
+            model_init_kwargs = dict(args.model_init_kwargs or {})
+            if kwargs.get("quantization_config") is not None:
+                model_init_kwargs["quantization_config"] = kwargs.pop("quantization_config")
+            if args.distributed_state.distributed_type in ["MULTI_GPU", "DEEPSPEED"]:
+                model_init_kwargs["device_map"] = None
+            model_init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+            model_id = model
+            model = create_model_from_path(model_id, **model_init_kwargs)
+            args.model_init_kwargs = None  # consumed here; SFTTrainer would warn that they are ignored
+            if processing_class is None:
+                from transformers import AutoProcessor
+
+                processing_class = AutoProcessor.from_pretrained(
+                    model_id, revision=model_init_kwargs.get("revision"), trust_remote_code=args.trust_remote_code
+                )
+        elif processing_class is None:
+            from transformers import AutoProcessor
+            from trl.trainer.utils import get_config_model_id
+
+            processing_class = AutoProcessor.from_pretrained(get_config_model_id(model.config),
+                                                             trust_remote_code=args.trust_remote_code)
+        if isinstance(processing_class, ProcessorMixin):
+            tokenizer = processing_class.tokenizer
+        elif isinstance(processing_class, PreTrainedTokenizerBase):
+            tokenizer = processing_class
+        else:
+            raise TypeError("processing_class must be a PreTrainedTokenizerBase or a ProcessorMixin.")
+
+        eos_token = args.eos_token or tokenizer.eos_token
+        if eos_token is None:
+            raise ValueError(
+                "MARS needs an EOS token (examples are padded with trained EOS up to a multiple of block_size, and "
+                "text datasets get EOS appended), but the tokenizer has none. Set `tokenizer.eos_token` (e.g. to "
+                "the end-of-turn token of your chat template) or pass `MARSConfig(eos_token=...)`."
+            )
+        if train_dataset is not None:
+            sample = next(iter(train_dataset))
+            if "image" in sample or "images" in sample:
+                raise ValueError("MARSTrainer supports text datasets only (no image/images columns).")
+
+        vocab_before = len(tokenizer)
+        self.mask_token_id = add_mask_token(model, tokenizer, args.mask_token)
+        if peft_config is not None and len(tokenizer) > vocab_before and hasattr(peft_config, "trainable_token_indices"):
+            # a LoRA adapter would otherwise leave the new mask embedding frozen at its initial value
+            indices = peft_config.trainable_token_indices
+            if indices is None:
+                peft_config.trainable_token_indices = {"embed_tokens": [self.mask_token_id]}
+            elif isinstance(indices, dict):
+                indices.setdefault("embed_tokens", [])
+                if self.mask_token_id not in indices["embed_tokens"]:
+                    indices["embed_tokens"].append(self.mask_token_id)
+        set_mars_metadata(model.config, block_size=int(args.block_size), mask_token_id=int(self.mask_token_id),
+                          mask_token=args.mask_token, ar_weight=float(args.ar_weight))
+
+        attn = getattr(model.config, "_attn_implementation", None) or "eager"
+        if "flash" in attn or attn == "paged_attention":
+            raise ValueError(
+                f"attn_implementation={attn!r} cannot express the MARS attention rule (a 2n x 2n mask). Load the "
+                "model with attn_implementation='sdpa' (default), 'eager' or 'flex_attention'."
+            )
+
+        user_collator = data_collator is not None
+        super().__init__(model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class, peft_config=peft_config,
+                         **kwargs)
+
+        eos_id = self._tokenizer.eos_token_id
+        if not user_collator and type(self.data_collator) is DataCollatorForLanguageModeling:
+            base = self.data_collator
+            self.data_collator = MARSDataCollator(
+                pad_token_id=base.pad_token_id, padding_free=base.padding_free,
+                return_position_ids=base.return_position_ids, pad_to_multiple_of=base.pad_to_multiple_of,
+                return_tensors=base.return_tensors, block_size=args.block_size, eos_token_id=eos_id,
+                pad_to_block_multiple=args.pad_to_block_multiple,
+            )
+
+        if not _has_trainable_token(self.train_dataset):
+            raise ValueError(
+                "The training dataset has no trainable token (every label is -100 after preparation), so the MARS "
+                "loss would be empty. Check completion_only_loss / assistant_only_loss (an assistant-only loss needs "
+                "a chat template with {% generation %} markers), or that examples are not truncated away by "
+                "max_length."
+            )
+        # summed metric counters per mode, turned into ratios at log time
+        self._mars_sums: dict[str, torch.Tensor | None] = {"train": None, "eval": None}
+
+    # ------------------------------------------------------------------ loss
+
+    def _batch_layout(self, inputs):
+        """Positions, padding mask, per-row sequence ids and effective labels of a collated batch."""
+        input_ids, labels = inputs["input_ids"], inputs["labels"]
+        attention_mask = inputs.get("attention_mask")
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError("MARSTrainer builds its own 4D attention mask; the batch must carry a 2D attention_mask.")
+        position_ids = inputs.get("position_ids")
+        if position_ids is None:
+            if attention_mask is not None:
+                position_ids = positions_from_attention_mask(attention_mask)
+            else:
+                position_ids = torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)
+        position_ids = position_ids.expand_as(input_ids)
+        valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+        seq = sequence_ids_from_positions(position_ids)
+        is_start = torch.ones_like(valid)
+        is_start[:, 1:] = seq[:, 1:] != seq[:, :-1]
+        # a sequence's first token is never a target, so it is context in both streams (as at inference)
+        labels = labels.masked_fill(is_start | ~valid, -100)
+        return position_ids, valid, seq, labels
+
+    def _count_sequences(self, inputs) -> torch.Tensor:
+        _, _, seq, labels = self._batch_layout(inputs)
+        targets = torch.zeros_like(labels, dtype=torch.bool)
+        targets[:, :-1] = (labels[:, 1:] != -100) & (seq[:, 1:] == seq[:, :-1])
+        gseq = seq + torch.arange(seq.size(0), device=seq.device)[:, None] * seq.size(1)
+        return torch.unique(gseq[targets]).numel()
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        """What the chosen normalisation divides by, over the whole accumulated (and all-process) batch.
+
+        "token": trained target tokens (the Trainer's own count). "sequence": sequences with a target.
+        """
+        num_items = super()._get_num_items_in_batch(batch_samples, device)
+        if num_items is None or self.args.loss_normalization == "token":
+            return num_items
+        count = torch.tensor(sum(self._count_sequences(b) for b in batch_samples), device=device)
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            count = self.accelerator.gather(count).sum()
+        return count / (self.get_tp_size() * self.get_cp_size() * self.get_sp_size())
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The MARS loss of one collated batch (see the module docstring and spec section 1)."""
+        mode = "train" if self.model.training else "eval"
+        args = self.args
+        block_size = args.block_size
+        input_ids = inputs["input_ids"]
+        b, n = input_ids.shape
+        position_ids, valid, seq, labels = self._batch_layout(inputs)
+        targets = shift_labels_for_positions(labels, position_ids)  # target of the output at p
+        noisy_ids = build_noisy_input_ids(input_ids, labels, self.mask_token_id)
+
+        unwrapped = self.accelerator.unwrap_model(model)
+        attn = getattr(unwrapped.config, "_attn_implementation", None) or "eager"
+        emb_dtype = unwrapped.get_input_embeddings().weight.dtype
+        mask = build_mars_attention_mask(position_ids, block_size, valid, attn_implementation=attn, dtype=emb_dtype)
+        outputs = model(
+            input_ids=torch.cat([noisy_ids, input_ids], dim=1),
+            attention_mask=mask,
+            position_ids=torch.cat([position_ids, position_ids], dim=1),
+            shift_labels=torch.cat([targets, targets], dim=1),
+            fused_lm_head=True,
+            use_cache=False,
+        )
+        nll = -outputs.log_probs.float()  # zero where the target is ignored
+        nll_noisy, nll_clean = nll[:, :n], nll[:, n:]
+        is_target = targets != -100
+
+        if args.loss_normalization == "sequence":
+            gseq = (seq + torch.arange(b, device=seq.device)[:, None] * n).reshape(-1)
+            counts = torch.zeros(b * n, device=nll.device).index_add_(0, gseq, is_target.reshape(-1).float())
+            noisy_s = torch.zeros(b * n, device=nll.device, dtype=nll.dtype).index_add_(0, gseq, nll_noisy.reshape(-1))
+            clean_s = torch.zeros(b * n, device=nll.device, dtype=nll.dtype).index_add_(0, gseq, nll_clean.reshape(-1))
+            has = counts > 0
+            noisy_num = (noisy_s / counts.clamp(min=1)).masked_fill(~has, 0).sum()
+            clean_num = (clean_s / counts.clamp(min=1)).masked_fill(~has, 0).sum()
+            local_den = has.sum()
+        else:
+            noisy_num, clean_num = nll_noisy.sum(), nll_clean.sum()
+            local_den = is_target.sum()
+        den = local_den.clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        loss = (noisy_num + args.ar_weight * clean_num) / den
+        # like Trainer/SFTTrainer: the denominator counts every rank, and DDP averages the gradients across ranks
+        if args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+
+        self._record_metrics(mode, inputs, outputs, position_ids, labels, targets, noisy_num, clean_num, local_den,
+                             valid)
+
+        if return_outputs:
+            with torch.no_grad():  # plain AR logits for compute_metrics / preprocess_logits_for_metrics
+                plain = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
+                if inputs.get("attention_mask") is not None:
+                    plain["attention_mask"] = inputs["attention_mask"]
+                outputs = model(**plain)
+            return loss, outputs
+        return loss
+
+    @torch.no_grad()
+    def _record_metrics(self, mode, inputs, outputs, position_ids, labels, targets, noisy_num, clean_num, local_den,
+                        valid):
+        block_size = self.args.block_size
+        b, n = targets.shape
+        is_target = targets != -100
+        top1 = outputs.is_top1
+        entropy = outputs.entropy
+        # Offset j of a noisy prediction at p: its distance from the last real token it sees (the clean prefix
+        # before its block, or an unmasked token inside it). Mask j predicts the token j+1 after that context,
+        # i.e. candidate j of inference (spec section 2). Offset 0 (p itself unmasked) is an AR-like prediction.
+        idx = torch.arange(n, device=targets.device).expand(b, n)
+        block_start = idx - torch.remainder(position_ids, block_size)
+        real = (labels == -100) & valid
+        last_real = torch.where(real, idx, torch.full_like(idx, -1)).cummax(dim=1).values
+        context_end = torch.maximum(last_real, block_start - 1)
+        offset = idx - context_end  # 0..B
+        noisy_hit = (top1[:, :n] > 0) & is_target
+        one_hot = torch.nn.functional.one_hot(offset.clamp(max=block_size), block_size + 1)[..., 1:]  # (b, n, B)
+        counted = (is_target & (offset > 0))[..., None] & one_hot.bool()
+        mask_total = counted.sum(dim=(0, 1)).float()
+        mask_correct = (counted & noisy_hit[..., None]).sum(dim=(0, 1)).float()
+        clean_hits = ((top1[:, n:] > 0) & is_target).sum().float()
+        clean_entropy = (entropy[:, n:].float() * is_target).sum() if entropy is not None else torch.zeros(())
+        if "attention_mask" in inputs:
+            num_tokens = inputs["attention_mask"].sum().float()
+        else:
+            num_tokens = torch.tensor(float(inputs["input_ids"].size(1)))
+        device = targets.device
+        vec = torch.cat([
+            torch.stack([noisy_num.detach().float(), clean_num.detach().float(), local_den.float(),
+                         is_target.sum().float(), clean_hits, clean_entropy.to(device), num_tokens.to(device)]),
+            mask_correct, mask_total,
+        ])
+        vec = self.accelerator.gather(vec[None]).sum(dim=0).cpu()
+        if mode == "train":
+            self._total_train_tokens += int(vec[6].item()) // self._tp_size
+        prev = self._mars_sums[mode]
+        self._mars_sums[mode] = vec if prev is None else prev + vec
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        sums = self._mars_sums.get(mode)
+        if sums is not None:
+            block_size = self.args.block_size
+            den = max(sums[2].item(), 1.0)
+            targets = max(sums[3].item(), 1.0)
+            metrics = self._metrics[mode]
+            metrics["mars_loss"] = [sums[0].item() / den]
+            metrics["ar_loss"] = [sums[1].item() / den]
+            metrics["mean_token_accuracy"] = [sums[4].item() / targets]
+            metrics["entropy"] = [sums[5].item() / targets]
+            correct, total = sums[7:7 + block_size], sums[7 + block_size:7 + 2 * block_size]
+            metrics["mask_accuracy"] = [correct.sum().item() / max(total.sum().item(), 1.0)]
+            for j in range(block_size):
+                metrics[f"mask_accuracy_{j + 1}"] = [correct[j].item() / max(total[j].item(), 1.0)]
+            if mode == "train":
+                metrics["num_tokens"] = [self._total_train_tokens]
+            self._mars_sums[mode] = None
+        super().log(logs, start_time)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys: list[str] | None = None):
+        # the logits cost an extra forward; only produce them when something consumes them
+        if self.compute_metrics is None and self.preprocess_logits_for_metrics is None:
+            prediction_loss_only = True
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+    # ------------------------------------------------------------------ saving
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Save as SFTTrainer does, then make sure the folder is a complete MARS checkpoint.
+
+        config.json carries ``mars`` (it is in ``model.config``; re-written here for save paths that skip
+        ``save_pretrained``, e.g. sharded FSDP state dicts) and `hf_mars.hub.write_mars_extras` adds the
+        generation defaults, custom_generate/ and the model card.
+        """
+        super().save_model(output_dir, _internal_call=True)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.args.should_save:
+            from . import hub
+
+            model = self.accelerator.unwrap_model(self.model)
+            self._ensure_config_metadata(output_dir, model)
+            hub.write_mars_extras(output_dir, model=model, tokenizer=self.processing_class, training_args=self.args)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _ensure_config_metadata(self, output_dir: str, model) -> None:
+        import json
+
+        meta = dict(getattr(model.config, "mars", None) or {})
+        path = os.path.join(output_dir, "config.json")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+            if config.get("mars") != meta:
+                config["mars"] = meta
+                with open(path, "w", encoding="utf-8") as f:
+                    json.dump(config, f, indent=2, sort_keys=True)
+                    f.write("\n")
+        else:
+            model.config.save_pretrained(output_dir)

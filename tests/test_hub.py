@@ -1,0 +1,442 @@
+"""Hub-ready checkpoints: files, model card, push (offline) and loading by repo id without hf_mars.
+
+The loading checks run in one subprocess in which hf_mars cannot be imported, against a
+checkpoint laid out exactly as the HF cache holds a downloaded repo (HF_HUB_OFFLINE=1).
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_mars import add_mask_token, save_for_hub
+from hf_mars import hub
+from hf_mars.tiny import build_char_tokenizer, tiny_qwen2
+from hf_mars.tokens import set_mars_metadata
+
+REPO_ID = "mars-org/tiny-mars"
+BLOCK = 4
+PROMPTS = ["The quick brown fox", "hi"]
+REPORT = {
+    "block_size": BLOCK,
+    "ar_sft": {"accuracy": 0.80},
+    "mars": [
+        {"threshold": 1.0, "accuracy": 0.82, "tokens_per_forward": 1.0, "speedup_vs_ar": 1.0},
+        {"threshold": 0.9, "accuracy": 0.785, "tokens_per_forward": 2.13, "speedup_vs_ar": 1.61},
+    ],
+    "verify": {"accuracy": 0.82, "tokens_per_forward": 1.84},
+}
+
+
+def _tiny_mars(seed=0):
+    tok = build_char_tokenizer()
+    model = tiny_qwen2(tok, seed=seed, hidden_size=32)
+    add_mask_token(model, tok)
+    set_mars_metadata(model.config, block_size=BLOCK, ar_weight=1.0)
+    return model, tok
+
+
+def install_in_hf_cache(src: Path, hub_cache: Path, repo_id: str, commit: str = "c0ffee" * 6 + "abcd") -> Path:
+    """Lay ``src`` out as huggingface_hub's cache holds a downloaded model repo (blobs, snapshot symlinks, refs)."""
+    repo_dir = hub_cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo_dir / "snapshots" / commit
+    for f in sorted(src.rglob("*")):
+        if not f.is_file():
+            continue
+        blob = repo_dir / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f, blob)
+        link = snapshot / f.relative_to(src)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(os.path.relpath(blob, link.parent), link)
+    (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
+    (repo_dir / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(model, tokenizer, folder): a tiny random MARS model saved with save_for_hub."""
+    model, tok = _tiny_mars()
+    folder = tmp_path_factory.mktemp("ckpt") / "tiny-mars"
+    save_for_hub(model, tok, folder, base_model="Qwen/Qwen2.5-0.5B-Instruct", datasets=["openai/gsm8k"],
+                 license="apache-2.0", benchmark=REPORT)
+    return model, tok, folder
+
+
+# --------------------------------------------------------------------------- checkpoint contents
+
+
+def test_checkpoint_files(saved):
+    model, tok, folder = saved
+    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "README.md",
+                 "custom_generate/generate.py", "custom_generate/requirements.txt"):
+        assert name in files
+    assert not [f for f in files if f.endswith((".bin", ".pt", ".pth", ".pkl", ".ckpt"))], files
+
+    config = json.loads((folder / "config.json").read_text())
+    mars = config["mars"]
+    assert mars["mask_token"] == "<|mask|>" and mars["mask_token_id"] == tok.mask_token_id
+    assert mars["block_size"] == BLOCK and mars["ar_weight"] == 1.0
+    gen = json.loads((folder / "generation_config.json").read_text())
+    assert gen["mars_threshold"] == hub.DEFAULT_THRESHOLD and gen["mars_block_size"] == BLOCK
+    assert gen["eos_token_id"] == tok.eos_token_id  # the original generation config is kept
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    assert GenerationConfig.from_pretrained(folder).mars_threshold == hub.DEFAULT_THRESHOLD  # survives loading
+    reloaded = AutoTokenizer.from_pretrained(folder)
+    assert reloaded.mask_token == "<|mask|>" and reloaded.mask_token_id == mars["mask_token_id"]
+
+    # custom_generate/generate.py is the library's generation module, byte for byte
+    assert (folder / "custom_generate/generate.py").read_bytes() == hub.generation_module_path().read_bytes()
+    reqs = (folder / "custom_generate/requirements.txt").read_text().split()
+    assert sorted(r.split(">=")[0] for r in reqs) == ["torch", "transformers"] and all(">=" in r for r in reqs)
+
+
+def test_generation_module_is_standalone():
+    """The copied file must import only torch, transformers and the stdlib (it runs without hf_mars)."""
+    hub._check_standalone(hub.generation_module_path().read_text(), "generation.py")
+    with pytest.raises(RuntimeError, match="may import only torch"):
+        hub._check_standalone("import numpy\ndef generate(*a, model, **k): pass\n", "x.py")
+    with pytest.raises(RuntimeError, match="relative import"):
+        hub._check_standalone("from .tokens import x\ndef generate(*a, model, **k): pass\n", "x.py")
+
+
+def test_model_card_parses(saved):
+    from huggingface_hub import ModelCard
+
+    _, _, folder = saved
+    card = ModelCard.load(folder / "README.md", ignore_metadata_errors=False)
+    data = card.data
+    assert data.library_name == "transformers" and data.pipeline_tag == "text-generation"
+    assert data.base_model == "Qwen/Qwen2.5-0.5B-Instruct" and data.datasets == ["openai/gsm8k"]
+    assert data.license == "apache-2.0"
+    assert {"mars", "multi-token-prediction", "custom_generate"} <= set(data.tags)
+    text = card.text
+    assert "trust_remote_code=True" in text and "mars=True" in text  # both loading ways documented
+    assert 'AutoModelForCausalLM.from_pretrained("' + hub.REPO_ID_PLACEHOLDER + '")' in text
+    # the measured table: one row per tau, accuracy and tokens per forward
+    assert "| MARS | 0.9 | 78.5% | 2.13 | 1.61× |" in text
+    assert "| MARS (one-token mode) | 1 | 82.0% | 1.00 | 1.00× |" in text
+    assert "80.0%" in text and "1.84" in text
+    assert "| MARS block size B | 4 |" in text
+
+
+def test_model_card_training_args_and_existing_metadata(saved, tmp_path):
+    from huggingface_hub import ModelCard
+    from transformers import TrainingArguments
+
+    _, _, folder = saved
+    ckpt = tmp_path / "checkpoint-10"
+    shutil.copytree(folder, ckpt)
+    # a card written earlier (e.g. TRL's) keeps its metadata when no card fields are passed
+    (ckpt / "README.md").write_text("---\nbase_model: org/base\ndatasets:\n- org/data\nlicense: mit\ntags:\n- trl\n---\nold\n")
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 10, "epoch": 0.5}))
+    gen = json.loads((ckpt / "generation_config.json").read_text())
+    gen["mars_threshold"] = 0.8  # a user-set default survives a rewrite
+    (ckpt / "generation_config.json").write_text(json.dumps(gen))
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), learning_rate=3e-5, num_train_epochs=2,
+                             per_device_train_batch_size=8, gradient_accumulation_steps=4, report_to="none")
+    hub.write_mars_extras(ckpt, training_args=args)
+    card = ModelCard.load(ckpt / "README.md")
+    assert card.data.base_model == "org/base" and card.data.datasets == ["org/data"] and card.data.license == "mit"
+    assert {"trl", "mars"} <= set(card.data.tags)
+    for row in ("| learning rate | 3e-05 |", "| epochs | 2 |", "| batch size per device | 8 |",
+                "| gradient accumulation steps | 4 |", "| optimizer steps done | 10 |"):
+        assert row in card.text, row
+    assert "mars_threshold=0.8" in card.text
+    assert json.loads((ckpt / "generation_config.json").read_text())["mars_threshold"] == 0.8
+
+    # MARS fields of a MARSConfig-like object are listed too; explicit defaults win
+    hub.write_mars_extras(ckpt, training_args={"mars_block_size": 4, "mars_mask_loss_weight": 0.5, "learning_rate": 1e-4},
+                          mars_threshold=0.9, mars_block_size=2)
+    text = (ckpt / "README.md").read_text()
+    assert "| mars mask loss weight | 0.5 |" in text and "| learning rate | 0.0001 |" in text
+    gen = json.loads((ckpt / "generation_config.json").read_text())
+    assert gen["mars_threshold"] == 0.9 and gen["mars_block_size"] == 2
+
+
+def test_card_field_errors(saved, tmp_path):
+    model, tok, _ = saved
+    with pytest.raises(ValueError, match="Unknown model-card field"):
+        save_for_hub(model, tok, tmp_path / "x", base_modle="typo/name")
+    with pytest.raises(ValueError, match="report dict"):
+        save_for_hub(model, tok, tmp_path / "y", benchmark={"accuracy": 1.0})
+    with pytest.raises(ValueError, match="mars_threshold must be in"):
+        save_for_hub(model, tok, tmp_path / "z", mars_threshold=2.0)
+
+
+# --------------------------------------------------------------------------- not a MARS checkpoint
+
+
+def test_save_for_hub_rejects_non_mars(tmp_path):
+    tok = build_char_tokenizer()
+    plain = tiny_qwen2(tok, hidden_size=32)
+    with pytest.raises(ValueError, match="not a MARS checkpoint"):
+        save_for_hub(plain, tok, tmp_path / "a")
+    model, mtok = _tiny_mars()
+    with pytest.raises(ValueError, match="tokenizer has no mask token"):
+        save_for_hub(model, build_char_tokenizer(), tmp_path / "b")  # the tokenizer add_mask_token did not touch
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_push_rejects_non_mars_folders(saved, tmp_path):
+    model, tok, folder = saved
+    plain_dir = tmp_path / "plain"
+    tok0 = build_char_tokenizer()
+    tiny_qwen2(tok0, hidden_size=32).save_pretrained(plain_dir)
+    tok0.save_pretrained(plain_dir)
+    with pytest.raises(ValueError, match="not a MARS checkpoint.*no `mars` metadata"):
+        hub.push_to_hub(plain_dir, REPO_ID, dry_run=True)
+    with pytest.raises(ValueError, match="not a MARS checkpoint"):
+        hub.write_mars_extras(plain_dir)
+
+    no_mask = tmp_path / "no-mask"
+    shutil.copytree(folder, no_mask)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (no_mask / name).unlink()
+    tok0.save_pretrained(no_mask)  # a tokenizer without the mask token
+    with pytest.raises(ValueError, match="no mask token"):
+        hub.push_to_hub(no_mask, REPO_ID, dry_run=True)
+
+    pickled = tmp_path / "pickled"
+    shutil.copytree(folder, pickled)
+    (pickled / "model.safetensors").unlink()
+    torch.save(model.state_dict(), pickled / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="no safetensors weights"):
+        hub.push_to_hub(pickled, REPO_ID, dry_run=True)
+
+    bare = tmp_path / "bare"
+    shutil.copytree(folder, bare)
+    shutil.rmtree(bare / "custom_generate")
+    with pytest.raises(ValueError, match="write_mars_extras"):
+        hub.push_to_hub(bare, REPO_ID, dry_run=True)
+    with pytest.raises(ValueError, match="not a directory"):
+        hub.push_to_hub(tmp_path / "missing", REPO_ID, dry_run=True)
+
+
+# --------------------------------------------------------------------------- push
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any Hub call fails the test: validation must happen before the network."""
+    from huggingface_hub import HfApi
+
+    def boom(*a, **k):
+        raise AssertionError("network call made")
+
+    for name in ("create_repo", "create_branch", "upload_folder", "create_commit", "whoami"):
+        monkeypatch.setattr(HfApi, name, boom)
+
+
+@pytest.mark.parametrize("repo_id", ["tiny-mars", "a/b/c", "/tiny", "org/", "org/na me", "org/a--b", "org/x.git",
+                                     "", None, "datasets/org/x"])
+def test_bad_repo_ids_rejected_before_network(saved, repo_id, no_network, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    with pytest.raises(ValueError, match="namespace/name"):
+        hub.push_to_hub(saved[2], repo_id, token="hf_fake")
+    with pytest.raises(ValueError, match="namespace/name"):
+        hub.push_to_hub("/does/not/exist", repo_id, token="hf_fake")  # the repo id is checked first
+
+
+def _with_training_junk(folder: Path, tmp_path: Path) -> Path:
+    ckpt = tmp_path / "checkpoint-5"
+    shutil.copytree(folder, ckpt)
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin", "trainer_state.json",
+                 "custom_generate/__pycache__/generate.cpython-311.pyc", ".git/config", "global_step5/mp_rank_00.pt"):
+        (ckpt / name).parent.mkdir(parents=True, exist_ok=True)
+        (ckpt / name).write_bytes(b"x")
+    return ckpt
+
+
+EXPECTED_FILES = ["README.md", "chat_template.jinja", "config.json", "custom_generate/generate.py",
+                  "custom_generate/requirements.txt", "generation_config.json", "model.safetensors",
+                  "tokenizer.json", "tokenizer_config.json"]
+
+
+def test_dry_run_lists_exactly_what_upload_folder_commits(saved, tmp_path, monkeypatch, no_network):
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
+
+    ckpt = _with_training_junk(saved[2], tmp_path)
+    files = hub.push_to_hub(ckpt, REPO_ID, dry_run=True)
+    assert files == EXPECTED_FILES
+    # huggingface_hub's own listing with the patterns push passes to upload_folder (its YAML check is remote)
+    monkeypatch.setattr(HfApi, "_validate_yaml", lambda self, *a, **k: None)
+    ops = HfApi()._prepare_upload_folder_additions(
+        ckpt, path_in_repo="", ignore_patterns=hub.PUSH_IGNORE_PATTERNS + DEFAULT_IGNORE_PATTERNS)
+    assert [op.path_in_repo for op in ops] == files
+    assert (ckpt / "README.md").read_text() == (saved[2] / "README.md").read_text()  # dry run changes nothing
+
+
+def test_cli_dry_run(saved, tmp_path, capsys, no_network):
+    from hf_mars.cli import main
+
+    ckpt = _with_training_junk(saved[2], tmp_path)
+    assert main(["push", str(ckpt), "--repo-id", REPO_ID, "--dry-run", "--revision", "v1", "--create-pr"]) == 0
+    out = capsys.readouterr()
+    assert out.out.splitlines() == EXPECTED_FILES
+    assert f"would commit {len(EXPECTED_FILES)} files to {REPO_ID}@v1 (as a pull request)" in out.err
+    assert main(["push", str(ckpt), "--repo-id", "no-namespace", "--dry-run"]) == 2
+    assert "namespace/name" in capsys.readouterr().err
+
+
+def test_push_calls_hub(saved, tmp_path, monkeypatch):
+    from huggingface_hub import HfApi
+
+    calls = []
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **k: calls.append(("create_repo", repo_id, k)))
+    monkeypatch.setattr(HfApi, "create_branch", lambda self, repo_id, **k: calls.append(("create_branch", repo_id, k)))
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, **k: calls.append(("upload_folder", self.token, k)) or "url")
+    ckpt = _with_training_junk(saved[2], tmp_path)
+    assert hub.push_to_hub(ckpt, REPO_ID, private=True, revision="v1", token="hf_fake", commit_message="msg") == "url"
+    (n1, repo, k1), (n2, _, k2), (n3, token, k3) = calls
+    assert (n1, n2, n3) == ("create_repo", "create_branch", "upload_folder") and repo == REPO_ID and token == "hf_fake"
+    assert k1["private"] is True and k1["exist_ok"] is True and k2["branch"] == "v1"
+    assert k3["repo_id"] == REPO_ID and k3["revision"] == "v1" and k3["commit_message"] == "msg"
+    assert k3["ignore_patterns"] == hub.PUSH_IGNORE_PATTERNS and Path(k3["folder_path"]) == ckpt
+    # the card's usage snippets now name the repo
+    text = (ckpt / "README.md").read_text()
+    assert hub.REPO_ID_PLACEHOLDER not in text and f'from_pretrained("{REPO_ID}")' in text
+
+
+def test_push_offline_unauthenticated_unreachable(saved, monkeypatch):
+    import huggingface_hub
+
+    folder = saved[2]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(RuntimeError, match="offline mode is on.*HF_HUB_OFFLINE=0"):
+        hub.push_to_hub(folder, REPO_ID, token="hf_fake")
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    with pytest.raises(RuntimeError, match="not logged in.*hf auth login.*HF_TOKEN"):
+        hub.push_to_hub(folder, REPO_ID)
+
+    # a closed local port: a real connection error, reported as such
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")
+    with pytest.raises(RuntimeError, match="Cannot reach the Hugging Face Hub"):
+        hub.push_to_hub(folder, REPO_ID, token="hf_fake")
+
+
+# --------------------------------------------------------------------------- loading by repo id, no hf_mars
+
+LOADER = textwrap.dedent(r'''
+    import importlib.abc, json, sys
+
+    class _BlockHfMars(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "hf_mars" or name.startswith("hf_mars."):
+                raise ModuleNotFoundError(f"hf_mars is blocked in this process ({name})")
+
+    sys.meta_path.insert(0, _BlockHfMars())
+    sys.modules["hf_mars"] = None
+    res = {}
+    try:
+        import hf_mars  # noqa: F401
+        res["hf_mars_blocked"] = False
+    except ImportError:
+        res["hf_mars_blocked"] = True
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    repo, prompts, new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    tok = AutoTokenizer.from_pretrained(repo)
+    batch = tok(prompts, return_tensors="pt", padding=True)
+    single = tok(prompts[:1], return_tensors="pt")
+
+    plain = AutoModelForCausalLM.from_pretrained(repo)
+    res["plain_generate_is_method"] = getattr(plain.generate, "__func__", None) is type(plain).generate
+    res["greedy"] = plain.generate(**batch, max_new_tokens=new, do_sample=False).tolist()
+    try:
+        plain.generate(**single, max_new_tokens=2, do_sample=False, mars=True)
+        res["plain_rejects_mars"] = False
+    except (ValueError, TypeError) as e:
+        res["plain_rejects_mars"] = "mars" in str(e)
+
+    model = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)
+    res["custom_module"] = getattr(getattr(model.generate, "func", None), "__module__", None)
+    res["defaults"] = [model.generation_config.mars_threshold, model.generation_config.mars_block_size]
+    res["mars_tau1"] = model.generate(**batch, max_new_tokens=new, do_sample=False, mars=True,
+                                      mars_threshold=1.0).tolist()
+    calls = []
+    hook = model.register_forward_hook(lambda *a: calls.append(1))
+    out = model.generate(**single, max_new_tokens=new, do_sample=False, mars=True, mars_threshold=0.0,
+                         return_dict_in_generate=True)
+    hook.remove()
+    res["tau0_forwards"] = len(calls)
+    res["tau0_new_tokens"] = out.sequences.shape[1] - single["input_ids"].shape[1]
+    res["tau0_stats"] = [out.mars_forward_passes.tolist(), out.mars_emitted_tokens.tolist()]
+
+    pipe = pipeline("text-generation", model=repo, trust_remote_code=True)
+    res["pipe_mars"] = pipe(prompts[0], max_new_tokens=new, do_sample=False, mars=True, mars_threshold=1.0,
+                            return_full_text=False)[0]["generated_text"]
+    res["pipe_plain"] = pipeline("text-generation", model=repo)(prompts[0], max_new_tokens=new, do_sample=False,
+                                                                return_full_text=False)[0]["generated_text"]
+    res["modules_loaded"] = sorted(m for m in sys.modules if m.startswith("hf_mars") and sys.modules[m] is not None)
+    print("RESULT " + json.dumps(res))
+''')
+
+
+@pytest.fixture(scope="module")
+def loaded(saved, tmp_path_factory):
+    """Run LOADER once in a fresh interpreter: offline HF cache, repo id, hf_mars unimportable."""
+    _, _, folder = saved
+    home = tmp_path_factory.mktemp("hf_home")
+    install_in_hf_cache(folder, home / "hub", REPO_ID)
+    script = home / "loader.py"
+    script.write_text(LOADER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_", "PYTHONPATH"))}
+    env.update(HF_HOME=str(home), HF_HUB_CACHE=str(home / "hub"), HF_MODULES_CACHE=str(home / "modules"),
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(script), REPO_ID, json.dumps(PROMPTS), "24"], cwd=home, env=env,
+                          capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_loaded_without_hf_mars(loaded):
+    assert loaded["hf_mars_blocked"] and loaded["modules_loaded"] == []
+    # generate comes from the checkpoint's custom_generate/generate.py, copied into HF_MODULES_CACHE
+    assert loaded["custom_module"].startswith("transformers_modules.") and "custom_generate" in loaded["custom_module"]
+    assert loaded["defaults"] == [hub.DEFAULT_THRESHOLD, BLOCK]
+
+
+def test_loaded_tau1_equals_greedy(loaded, saved):
+    assert loaded["mars_tau1"] == loaded["greedy"]
+    # and the greedy reference is the original model's greedy output
+    model, tok, _ = saved
+    batch = tok(PROMPTS, return_tensors="pt", padding=True)
+    assert model.generate(**batch, max_new_tokens=24, do_sample=False).tolist() == loaded["greedy"]
+
+
+def test_loaded_tau0_takes_fewer_forwards(loaded):
+    forwards, new = loaded["tau0_forwards"], loaded["tau0_new_tokens"]
+    assert new >= 12, loaded
+    assert forwards < new, loaded  # counted with a forward hook, prefill included
+    assert loaded["tau0_stats"][0][0] <= forwards and loaded["tau0_stats"][1][0] > loaded["tau0_stats"][0][0]
+
+
+def test_loaded_plain_is_ar(loaded):
+    assert loaded["plain_generate_is_method"]  # no remote code: the class's own generate
+    assert loaded["plain_rejects_mars"]  # and it knows nothing of MARS arguments
+
+
+def test_pipeline_with_mars_args(loaded):
+    assert loaded["pipe_mars"] == loaded["pipe_plain"] and len(loaded["pipe_mars"]) > 0

@@ -1,0 +1,94 @@
+"""A real client: lm-evaluation-harness evaluates a MARS checkpoint with MARS decoding.
+
+Equivalent to
+  lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True --device cpu \
+      --tasks mars_tiny --include_path TASKDIR --gen_kwargs mars=True,mars_threshold=0.0
+through the Python API, so that the model lm-eval loaded can be watched (forward hook).
+"""
+
+import json
+import textwrap
+
+import pytest
+
+lm_eval = pytest.importorskip("lm_eval")
+
+from hf_mars import add_mask_token, save_for_hub  # noqa: E402
+from hf_mars.tiny import build_char_tokenizer, tiny_qwen2  # noqa: E402
+from hf_mars.tokens import set_mars_metadata  # noqa: E402
+
+ROWS = [
+    {"question": "Repeat: abcabcabc", "answer": "abcabcabc"},
+    {"question": "Count to five: 1 2 3", "answer": "4 5"},
+    {"question": "The quick brown fox", "answer": "jumps"},
+    {"question": "hi", "answer": "hello"},
+]
+
+
+def _task_dir(tmp_path):
+    task_dir = tmp_path / "tasks"
+    task_dir.mkdir()
+    data = task_dir / "mars_tiny.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    (task_dir / "mars_tiny.yaml").write_text(textwrap.dedent(f"""\
+        task: mars_tiny
+        dataset_path: json
+        dataset_kwargs:
+          data_files:
+            test: {data}
+        test_split: test
+        output_type: generate_until
+        doc_to_text: "{{{{question}}}}"
+        doc_to_target: "{{{{answer}}}}"
+        generation_kwargs:
+          until: ["\\n\\n"]
+          max_gen_toks: 24
+          do_sample: false
+        metric_list:
+          - metric: exact_match
+            aggregation: mean
+            higher_is_better: true
+        metadata:
+          version: 1.0
+        """))
+    return task_dir
+
+
+def test_lm_eval_hf_backend_uses_mars(tmp_path, monkeypatch):
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setattr("transformers.dynamic_module_utils.HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    tok = build_char_tokenizer()
+    model = tiny_qwen2(tok, seed=1, hidden_size=32)
+    add_mask_token(model, tok)
+    set_mars_metadata(model.config, block_size=4, ar_weight=1.0)
+    ckpt = tmp_path / "ckpt"
+    save_for_hub(model, tok, ckpt)
+
+    # what `--model hf --model_args pretrained=DIR,trust_remote_code=True --device cpu` builds
+    lm = HFLM(pretrained=str(ckpt), trust_remote_code=True, device="cpu", batch_size=2)
+    assert lm.model.generate.func.__module__.startswith("transformers_modules.")  # the checkpoint's custom_generate
+    seen, forwards = [], []
+    custom = lm.model.generate
+
+    def spy(*args, **kwargs):
+        out = custom(*args, **kwargs)
+        seen.append((kwargs.get("mars"), kwargs.get("mars_threshold"), out.shape[1] - kwargs["input_ids"].shape[1],
+                     kwargs["input_ids"].shape[0]))
+        return out
+
+    lm.model.generate = spy
+    hook = lm.model.register_forward_hook(lambda *a: forwards.append(1))
+    results = simple_evaluate(model=lm, tasks=["mars_tiny"], task_manager=TaskManager(include_path=str(_task_dir(tmp_path))),
+                              gen_kwargs="mars=True,mars_threshold=0.0", log_samples=True)
+    hook.remove()
+
+    assert "exact_match,none" in results["results"]["mars_tiny"]
+    assert len(results["samples"]["mars_tiny"]) == len(ROWS)
+    assert seen and all(m is True and t == 0.0 for m, t, _, _ in seen)  # gen_kwargs reached the MARS generate
+    steps = sum(new for _, _, new, _ in seen)  # generated positions per batch (rows decode in lockstep)
+    assert len(forwards) < steps, (len(forwards), seen)  # several tokens per forward: MARS decoding was used
