@@ -63,7 +63,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("No CUDA device: this script is for a machine with a GPU.")
-    from hf_mars.bench import ForwardRecorder, measure_step_cost
+    from hf_mars.bench import ForwardRecorder, measure_step_costs
     from hf_mars.generation import enable_mars
 
     B = args.block_size
@@ -76,9 +76,8 @@ def main(argv=None):
         res = result["shapes"][shape] = {"params": sum(q.numel() for q in model.parameters()), "batches": {}}
         for b in args.batch_sizes:
             entry = res["batches"][str(b)] = {}
-            entry["cost_ms"] = {str(w): 1e3 * measure_step_cost(model, b, w, args.past, repeats=20,
-                                                                logits_to_keep=1 if w == 1 else min(w, B + 1))
-                                for w in widths}
+            costs = measure_step_costs(model, b, widths, args.past, repeats=20, block_size=B)
+            entry["cost_ms"] = {str(w): 1e3 * t for w, t in costs.items()}
             g = torch.Generator().manual_seed(0)
             ids = torch.randint(10, 1000, (b, args.prompt_len), generator=g).cuda()
             mask = torch.ones_like(ids)

@@ -21,6 +21,7 @@ import collections
 import cProfile
 import io
 import pstats
+import statistics
 import sys
 import time
 import traceback
@@ -29,60 +30,72 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-SYNC_FUNCS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy",
-              "masked_select", "unique", "unique_consecutive", "argwhere", "repeat_interleave"}
+# ops that make the host wait for the device (free on CPU, a pipeline stall each on a GPU)
+SYNC_ATEN = ("_local_scalar_dense", "nonzero", "masked_select", "_unique", "unique_", "unique_consecutive",
+             "repeat_interleave.Tensor", "equal.")
+SYNC_PY = {"tolist", "numpy", "cpu"}  # device->host copies that do not show up as an aten op
 
 
 class _State:
     in_forward = 0
 
 
+def _site(skip=("profile_loop", "torch/", "contextlib")):
+    for fr in reversed(traceback.extract_stack(limit=12)[:-2]):
+        if not any(s in fr.filename for s in skip):
+            return f"{fr.filename.split('site-packages/')[-1]}:{fr.lineno} {fr.line}"
+    return "?"
+
+
 class OpCounter(TorchDispatchMode):
-    """Counts aten ops dispatched outside the model's forward."""
+    """Counts aten ops dispatched outside the model's forward, and the ones among them that sync."""
 
     def __init__(self):
         super().__init__()
         self.ops = collections.Counter()
+        self.syncs = collections.Counter()
+        self.sites = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not _State.in_forward:
-            self.ops[str(func)] += 1
+            name = str(func)
+            self.ops[name] += 1
+            is_sync = any(s in name for s in SYNC_ATEN)
+            if name.startswith("aten.index.Tensor"):  # boolean-mask indexing sizes its output from the data
+                idx = args[1] if len(args) > 1 else []
+                is_sync = any(torch.is_tensor(i) and i.dtype == torch.bool for i in idx if i is not None)
+            if is_sync:
+                self.syncs[name.replace("aten.", "")] += 1
+                self.sites[f"{name.replace('aten.', '')} @ {_site()}"] += 1
         return func(*args, **(kwargs or {}))
 
 
 class SyncCounter(TorchFunctionMode):
-    """Counts calls that force a device->host sync (outside the model's forward), with their call sites."""
+    """Counts .tolist() / .cpu() / .numpy() outside the model's forward (device->host copies), with call sites."""
 
-    def __init__(self, where_filter=("generation",)):
+    def __init__(self):
         super().__init__()
         self.syncs = collections.Counter()
         self.sites = collections.Counter()
-        self.where_filter = where_filter
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        sync = name in SYNC_FUNCS
-        if name == "__getitem__" and len(args) > 1:
-            idx = args[1] if isinstance(args[1], tuple) else (args[1],)
-            sync = any(torch.is_tensor(i) and i.dtype == torch.bool for i in idx)
-            name = "bool-index" if sync else name
-        if sync and not _State.in_forward:
+        if name in SYNC_PY and not _State.in_forward:
             self.syncs[name] += 1
-            for fr in reversed(traceback.extract_stack(limit=8)[:-1]):
-                if "profile_loop" not in fr.filename and "torch/" not in fr.filename:
-                    self.sites[f"{name} @ {fr.filename.split('site-packages/')[-1]}:{fr.lineno} {fr.line}"] += 1
-                    break
+            self.sites[f"{name} @ {_site()}"] += 1
         return func(*args, **(kwargs or {}))
 
 
-def _hooks(model, times):
+def _hooks(model, spans):
+    """Record (start, end) of every top-level forward: gaps between them are the loop's per-step work."""
+
     def pre(mod, args, kwargs):
         _State.in_forward += 1
-        times.append(-time.perf_counter())
+        spans.append([time.perf_counter(), None])
 
     def post(mod, args, kwargs, out):
         _State.in_forward -= 1
-        times[-1] += time.perf_counter()
+        spans[-1][1] = time.perf_counter()
 
     return [model.register_forward_pre_hook(pre, with_kwargs=True), model.register_forward_hook(post, with_kwargs=True)]
 
@@ -109,16 +122,25 @@ def build(args):
 
 
 def run_one(model, inputs, kwargs, cprofile_n):
-    times = []
-    handles = _hooks(model, times)
+    spans = []
+    handles = _hooks(model, spans)
     try:
         for _ in range(2):  # warm-up
             model.generate(**inputs, **kwargs)
-        times.clear()
-        t0 = time.perf_counter()
-        out = model.generate(**inputs, **kwargs)
-        wall = time.perf_counter() - t0
-        calls, model_time = len(times), sum(times)
+        walls, setups, teardowns, gaps, model_times = [], [], [], [], []
+        for _ in range(5):  # median of 5 (shared machine)
+            spans.clear()
+            t0 = time.perf_counter()
+            out = model.generate(**inputs, **kwargs)
+            t1 = time.perf_counter()
+            walls.append(t1 - t0)
+            setups.append(spans[0][0] - t0)
+            teardowns.append(t1 - spans[-1][1])
+            gaps.append([spans[i + 1][0] - spans[i][1] for i in range(len(spans) - 1)])
+            model_times.append(sum(e - s for s, e in spans))
+        k = sorted(range(5), key=lambda i: walls[i])[2]
+        wall, calls, model_time = walls[k], len(spans), model_times[k]
+        setup, teardown, step_gaps = setups[k], teardowns[k], gaps[k]
         ops, syncs = OpCounter(), SyncCounter()
         with ops, syncs:
             model.generate(**inputs, **kwargs)
@@ -136,8 +158,10 @@ def run_one(model, inputs, kwargs, cprofile_n):
         for h in handles:
             h.remove()
     new = out.sequences.shape[1] - inputs["input_ids"].shape[1] if hasattr(out, "sequences") else out.shape[1] - inputs["input_ids"].shape[1]
-    return {"wall": wall, "calls": calls, "model_time": model_time, "new_tokens": new,
-            "ops": ops.ops, "syncs": syncs.syncs, "sites": syncs.sites, "profile": prof_text,
+    return {"wall": wall, "calls": calls, "model_time": model_time, "new_tokens": new, "setup": setup,
+            "teardown": teardown, "gap": statistics.median(step_gaps) if step_gaps else 0.0,
+            "gap_mean": statistics.mean(step_gaps) if step_gaps else 0.0,
+            "ops": ops.ops, "syncs": ops.syncs + syncs.syncs, "sites": ops.sites + syncs.sites, "profile": prof_text,
             "out": out}
 
 
@@ -177,6 +201,8 @@ def main(argv=None):
         print(f"wall {r['wall'] * 1e3:.1f} ms, {r['calls']} forwards, {r['new_tokens']} new positions/row, "
               f"model {r['model_time'] / steps * 1e3:.3f} ms/step, loop overhead {ovh:.3f} ms/step "
               f"({(r['wall'] - r['model_time']) / r['wall']:.0%} of wall)")
+        print(f"  = setup before the first forward {r['setup'] * 1e3:.2f} ms + between forwards {r['gap'] * 1e3:.3f} ms/step "
+              f"(median; mean {r['gap_mean'] * 1e3:.3f}) + after the last {r['teardown'] * 1e3:.2f} ms")
         out = r["out"]
         if hasattr(out, "mars_forward_passes"):
             print(f"mars_forward_passes {out.mars_forward_passes.tolist()} mars_emitted_tokens {out.mars_emitted_tokens.tolist()}")

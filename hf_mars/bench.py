@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+CACHE_MODES = ("sliding", "block", "block_trained")  # mars_cache values of hf_mars.generation
+
 # Small built-in prompt set, used when no prompt file is given and the demo data is not available.
 BUILTIN_PROMPTS = [
     "What is 12 + 35?",
@@ -300,38 +302,48 @@ class ForwardRecorder:
 
 
 @torch.no_grad()
-def measure_step_cost(model, batch_size: int, width: int, past_len: int, repeats: int = 20, logits_to_keep: int | None = None,
-                      device=None) -> float:
-    """Median seconds of one cached forward of ``width`` new positions over a ``past_len`` cache.
+def measure_step_costs(model, batch_size: int, widths, past_len: int, repeats: int = 20, block_size: int = 4,
+                       device=None) -> dict[int, float]:
+    """Median seconds of one cached forward of ``w`` new positions over a ``past_len`` cache, for each width.
 
-    ``logits_to_keep`` mirrors what a decoding loop needs (1 for AR; the candidate positions for MARS),
-    so the LM head is charged as in the real loop. The cache is cropped back after each call.
+    Widths are timed interleaved (round-robin over the same cache, cropped back after each call), so load
+    drift on a shared machine affects every width alike and their ratios stay meaningful. The LM head is
+    charged as a lean loop would pay it: 1 position for a 1-token step, else the ``block_size + 1``
+    candidate positions (``logits_to_keep``).
     """
     from transformers import DynamicCache
 
     device = device or next(model.parameters()).device
+    widths = sorted({int(w) for w in widths})
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(3, vocab, (batch_size, past_len), generator=gen).to(device)
-    new = torch.randint(3, vocab, (batch_size, width), generator=gen).to(device)
+    prefix = torch.randint(3, vocab - 1, (batch_size, past_len), generator=gen).to(device)
+    new = torch.randint(3, vocab - 1, (batch_size, max(widths)), generator=gen).to(device)
     cache = DynamicCache(config=model.config) if _takes(DynamicCache.__init__, "config") else DynamicCache()
     cache_kw = "cache" if _takes(model.forward, "cache") else "past_key_values"  # renamed in transformers 5.x
     model(input_ids=prefix, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
-    mask = torch.ones(batch_size, past_len + width, dtype=torch.long, device=device)
-    pos = torch.arange(past_len, past_len + width, device=device).unsqueeze(0).expand(batch_size, -1)
-    keep = width if logits_to_keep is None else logits_to_keep
-    times = []
+    times = {w: [] for w in widths}
     for i in range(repeats + 2):
-        _sync(device)
-        t0 = time.perf_counter()
-        out = model(input_ids=new, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=keep,
-                    **{cache_kw: cache})
-        out.logits.float().argmax(-1)  # an AR step reads its token; keep the same work
-        _sync(device)
-        if i >= 2:  # two warm-up calls
-            times.append(time.perf_counter() - t0)
-        cache.crop(-width)  # negative: remove that many positions (works across transformers versions)
-    return statistics.median(times)
+        for w in widths:
+            mask = torch.ones(batch_size, past_len + w, dtype=torch.long, device=device)
+            pos = torch.arange(past_len, past_len + w, device=device).unsqueeze(0).expand(batch_size, -1)
+            keep = 1 if w == 1 else min(w, block_size + 1)
+            _sync(device)
+            t0 = time.perf_counter()
+            out = model(input_ids=new[:, :w], attention_mask=mask, position_ids=pos, use_cache=True,
+                        logits_to_keep=keep, **{cache_kw: cache})
+            out.logits.float().argmax(-1)  # a step reads its tokens; keep the same work
+            _sync(device)
+            if i >= 2:  # two warm-up rounds
+                times[w].append(time.perf_counter() - t0)
+            cache.crop(-w)  # negative: remove that many positions (works across transformers versions)
+    return {w: statistics.median(t) for w, t in times.items()}
+
+
+def measure_step_cost(model, batch_size: int, width: int, past_len: int, repeats: int = 20, block_size: int = 4,
+                      device=None) -> float:
+    """`measure_step_costs` for one width."""
+    return measure_step_costs(model, batch_size, [width], past_len, repeats, block_size, device)[int(width)]
 
 
 def _takes(fn, name: str) -> bool:
@@ -370,13 +382,13 @@ class RunSpec:
 def build_specs(thresholds, caches, verify_thresholds, block_size, cache_block, verify_cache="sliding"):
     specs = [RunSpec("ar")]
     for cache in caches:
-        if cache not in ("sliding", "block"):
-            raise ValueError(f"Unknown cache mode {cache!r}: use 'sliding' or 'block'.")
+        if cache not in CACHE_MODES:
+            raise ValueError(f"Unknown cache mode {cache!r}: use one of {CACHE_MODES}.")
         for tau in thresholds:
             kw = {"mars": True, "mars_threshold": float(tau), "mars_cache": cache}
             if block_size is not None:
                 kw["mars_block_size"] = int(block_size)
-            if cache == "block":
+            if cache != "sliding":
                 kw["mars_cache_block"] = int(cache_block)
             specs.append(RunSpec("mars", float(tau), cache, kw))
     for tau in verify_thresholds or ():
@@ -499,8 +511,7 @@ def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 
         raise ValueError("batch_sizes must be a non-empty list of positive integers.")
     from hf_mars.generation import enable_mars
 
-    if not getattr(model, "_mars_enabled", False):
-        enable_mars(model)
+    enable_mars(model)  # idempotent
     device = next(model.parameters()).device
     records = [to_record(p, f"prompts[{i}]") for i, p in enumerate(prompts)] if prompts is not None else load_prompts()
     if not records:
@@ -528,34 +539,25 @@ def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 
         "rows": [],
     }
     say = log or (lambda msg: None)
-    total = len(batch_sizes) * len(specs)
+    total = len(batch_sizes) * len(specs) * repeats
     bar = _tqdm(total=total, disable=not progress, desc="bench")
     past_len = int(result["settings"]["mean_prompt_tokens"] + max_new_tokens / 2)
     for b in batch_sizes:
         b = int(b)
         batches = make_batches(encoded, b, pad_id, num_prompts)
-        # step costs at this batch size, same cache-length scale as the runs (prompt + half the reply)
-        c1 = measure_step_cost(model, b, 1, past_len, cost_repeats, logits_to_keep=1, device=device)
-        cB = measure_step_cost(model, b, 1 + bsz, past_len, cost_repeats, logits_to_keep=1 + bsz, device=device)
-        costs = {"past_len": past_len, "cost_1_ms": c1 * 1e3, f"cost_{1 + bsz}_ms": cB * 1e3, "ratio": cB / c1}
-        if "block" in caches and cache_block not in (1, 1 + bsz):
-            cC = measure_step_cost(model, b, cache_block, past_len, cost_repeats, logits_to_keep=cache_block, device=device)
-            costs[f"cost_{cache_block}_ms"] = cC * 1e3
-        result["step_costs"][str(b)] = costs
-        say(f"batch {b}: cost(1) {c1 * 1e3:.2f} ms, cost({1 + bsz}) {cB * 1e3:.2f} ms")
         recorder = ForwardRecorder(model, sync=False)
-        per_spec = {}
+        per_spec = {spec.label: (spec, []) for spec in specs}
         with recorder:
             for spec in specs:
-                bar.set_postfix_str(f"b={b} {spec.label}")
                 for _ in range(warmup):
                     _generate_once(model, batches[0], spec, max_new_tokens, eos_ids, recorder, device)
-                reps = []
-                for _ in range(repeats):
+            # repeats interleaved across configurations: load drift on a shared machine hits all of them alike
+            for _ in range(repeats):
+                for spec in specs:
+                    bar.set_postfix_str(f"b={b} {spec.label}")
                     runs = [_generate_once(model, bt, spec, max_new_tokens, eos_ids, recorder, device) for bt in batches]
-                    reps.append(runs)
-                per_spec[spec.label] = (spec, reps)
-                bar.update(1)
+                    per_spec[spec.label][1].append(runs)
+                    bar.update(1)
         if sync:  # exact per-forward times need a sync per call: one extra instrumented pass on CUDA
             with ForwardRecorder(model, sync=True) as rec2:
                 for spec, reps in per_spec.values():
@@ -563,10 +565,23 @@ def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 
                         r = _generate_once(model, bt, spec, max_new_tokens, eos_ids, rec2, device)
                         for runs in reps:
                             runs[j]["model_time"] = r["model_time"]
+        # step costs at this batch size, same cache-length scale as the runs (prompt + half the reply):
+        # 1 and 1 + B (the limit), the block-cache chunk, and every decode width the runs used (width limit)
+        used = {w for _, reps in per_spec.values() for run in reps[0] for w in run["widths"][1:]}
+        widths = {1, 1 + bsz} | ({cache_block} if any(c != "sliding" for c in caches) else set()) | used
+        table = measure_step_costs(model, b, widths, past_len, cost_repeats, block_size=bsz, device=device)
+        c1, cB = table[1], table[1 + bsz]
+        costs = {"past_len": past_len, "cost_1_ms": c1 * 1e3, f"cost_{1 + bsz}_ms": cB * 1e3, "ratio": cB / c1,
+                 "table_ms": {str(w): t * 1e3 for w, t in sorted(table.items())}}
+        if cache_block in table:
+            costs[f"cost_{cache_block}_ms"] = table[cache_block] * 1e3
+        result["step_costs"][str(b)] = costs
+        say(f"batch {b}: cost(1) {c1 * 1e3:.2f} ms, cost({1 + bsz}) {cB * 1e3:.2f} ms")
         ar_row = None
         ar_tokens = None
         for label, (spec, reps) in per_spec.items():
             row = _summarise(b, spec, reps, costs, bsz)
+            row["_predicted_s"] = sum(table[w] for run in reps[0] for w in run["widths"][1:])
             toks = [t for run in reps[0] for t in run["new_tokens"]]  # row g of the run is records[g % len]
             if spec.mode == "ar":
                 ar_row, ar_tokens = row, toks
@@ -580,9 +595,11 @@ def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 
                 row["accuracy_n"] = len(hits)
             result["rows"].append(row)
         for row in result["rows"]:
-            if row["batch_size"] != b:
-                continue
-            _relative(row, ar_row, costs)
+            if row["batch_size"] == b:
+                _relative(row, ar_row, costs)
+        for row in result["rows"]:
+            if row["batch_size"] == b:
+                row.pop("_predicted_s", None)
     bar.close()
     if hasattr(os, "getloadavg"):
         info["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -629,11 +646,15 @@ def _summarise(b, spec, reps, costs, bsz):
 def _relative(row, ar, costs):
     """Speed-up over AR, the limit tok/fwd x cost(1)/cost(1+B), efficiency and the zero-overhead ideal."""
     if row["mode"] == "ar":
-        row.update(speedup=1.0, limit=None, efficiency=None, ideal=1.0)
+        row.update(speedup=1.0, limit=None, efficiency=None, limit_w=None, ideal=1.0)
         return
     speedup = row["tokens_per_s"] / ar["tokens_per_s"]
     per_call_gain = row["tokens_per_call"] / ar["tokens_per_call"]
     limit = per_call_gain / costs["ratio"]
+    # the same bound with the widths the loop really forwarded (a sliding step re-feeds the k tokens it
+    # accepted last step plus B masks, so it is k + B wide, not 1 + B), from the measured cost table
+    if row["_predicted_s"] > 0 and ar["_predicted_s"] > 0:
+        row["limit_w"] = (row["tokens"] / ar["tokens"]) * ar["_predicted_s"] / row["_predicted_s"]
     ar_rate_model = ar["tokens"] / ar["model_time_s"] if ar["model_time_s"] > 0 else float("nan")
     mars_rate_model = row["tokens"] / row["model_time_s"] if row["model_time_s"] > 0 else float("nan")
     row.update(
@@ -657,6 +678,7 @@ COLUMNS = [
     ("speedup", "speedup", "{:.2f}x"),
     ("limit", "limit", "{:.2f}x"),
     ("eff", "efficiency", "{:.0%}"),
+    ("lim(w)", "limit_w", "{:.2f}x"),
     ("ideal", "ideal", "{:.2f}x"),
     ("ovh ms/step", "overhead_ms_per_step", "{:.2f}"),
     ("model ms/step", "model_ms_per_step", "{:.2f}"),
@@ -691,7 +713,8 @@ def format_table(result: dict) -> str:
         out.append(f"  batch {b}: cost(1) {c['cost_1_ms']:.2f} ms, cost({1 + bsz}) {c[f'cost_{1 + bsz}_ms']:.2f} ms "
                    f"(ratio {c['ratio']:.2f}){extra}")
     out.append("limit = (tokens per forward call, MARS/AR) x cost(1)/cost(1+B); eff = speedup/limit; "
-               "ideal = speed-up with zero loop overhead (measured model time only)")
+               "lim(w) = the same with the cost of the widths actually forwarded; "
+               "ideal = speed-up with zero loop overhead (in-loop model time only); ovh = loop time outside forwards")
     m = result["machine"]
     out.append(f"machine: {m.get('cpu_model', m['processor'])}, {m['cpu_count']} CPUs, torch threads {m['torch_threads']}, "
                f"device {m['device']}{', ' + m['gpu'] if 'gpu' in m else ''}; load avg {m.get('load_average_start')} -> "
@@ -731,7 +754,9 @@ def add_arguments(parser):
                              "Default: the demo's held-out prompts if available, else a built-in list.")
     parser.add_argument("--num-prompts", type=int, default=16, help="Prompts per configuration and batch size (cycled if fewer).")
     parser.add_argument("--thresholds", type=float, nargs="+", default=[1.0, 0.95, 0.9], help="MARS tau values.")
-    parser.add_argument("--caches", nargs="+", default=["sliding", "block"], choices=["sliding", "block"])
+    parser.add_argument("--caches", nargs="+", default=["sliding", "block"], choices=list(CACHE_MODES),
+                        help="MARS cache modes: sliding window, the paper's block cache, or block_trained "
+                             "(block chunks fed as [accepted | B masks]).")
     parser.add_argument("--verify-thresholds", type=float, nargs="*", default=[0.0],
                         help="tau values for lossless verify mode (none: skip verify).")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])

@@ -237,42 +237,51 @@ def write_custom_generate(save_directory) -> Path:
 # --------------------------------------------------------------------------- generation defaults
 
 
+def _check_defaults(threshold=None, block_size=None) -> None:
+    """Same rules as hf_mars.generation applies to mars_threshold / mars_block_size."""
+    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                                  or not 0.0 <= threshold <= 1.0):
+        raise ValueError(f"mars_threshold must be a number in [0, 1] (1.0 = exact AR greedy), got {threshold!r}.")
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
+        raise ValueError(f"mars_block_size must be an int >= 1 (the trained block size), got {block_size!r}.")
+
+
 def write_generation_defaults(save_directory, mars: dict, model=None, config_dict=None,
                               threshold=None, block_size=None) -> tuple[float, int]:
     """Add ``mars_threshold`` / ``mars_block_size`` to generation_config.json, keeping everything else.
 
     Precedence: explicit argument > value already in the generation config > ``config.mars`` > default.
+    An existing file is edited as JSON (not re-validated), so a base model's config survives as is.
     """
-    import copy
-
-    from transformers import GenerationConfig
-
     directory = Path(save_directory)
-    if (directory / "generation_config.json").is_file():
-        gen = GenerationConfig.from_pretrained(directory)
+    path = directory / "generation_config.json"
+    if path.is_file():
+        data = _read_json(path)
     elif model is not None and getattr(model, "generation_config", None) is not None:
-        gen = copy.deepcopy(model.generation_config)
+        data = json.loads(model.generation_config.to_json_string(use_diff=True))
     else:
+        import transformers
+
         cfg = config_dict or {}
-        gen = GenerationConfig(**{k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None})
+        data = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
+        data["transformers_version"] = transformers.__version__
     if threshold is None:
-        threshold = getattr(gen, "mars_threshold", None)
+        threshold = data.get("mars_threshold")
     if threshold is None:
         threshold = DEFAULT_THRESHOLD
     if block_size is None:
-        block_size = getattr(gen, "mars_block_size", None) or mars.get("block_size") or DEFAULT_BLOCK_SIZE
-    threshold, block_size = float(threshold), int(block_size)
-    if not 0.0 <= threshold <= 1.0 and threshold != float("inf"):
-        raise ValueError(f"mars_threshold must be in [0, 1] (1.0 = exact AR greedy), got {threshold}.")
-    if block_size < 1:
-        raise ValueError(f"mars_block_size must be a positive int, got {block_size}.")
-    gen.mars_threshold = threshold
-    gen.mars_block_size = block_size
+        block_size = data.get("mars_block_size") or mars.get("block_size") or DEFAULT_BLOCK_SIZE
+    _check_defaults(threshold, block_size)
+    data["mars_threshold"] = float(threshold)
+    data["mars_block_size"] = block_size
     # A config flagged as derived from the model config drops unknown attributes when loaded:
-    # without this the MARS defaults would vanish on from_pretrained.
-    gen._from_model_config = False
-    gen.save_pretrained(directory)
-    return threshold, block_size
+    # with the flag the MARS defaults would vanish on from_pretrained.
+    data.pop("_from_model_config", None)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    if model is not None and getattr(model, "generation_config", None) is not None:
+        model.generation_config.mars_threshold = float(threshold)  # the live model decodes as the saved one
+        model.generation_config.mars_block_size = block_size
+    return float(threshold), block_size
 
 
 # --------------------------------------------------------------------------- model card
@@ -333,6 +342,8 @@ def _training_rows(mars: dict, training_args=None, trainer_state: dict | None = 
         value = args.get(key)
         if value is None or (key == "max_steps" and value <= 0) or (key == "warmup_steps" and value == 0):
             continue
+        if key == "num_train_epochs" and (args.get("max_steps") or 0) > 0:  # max_steps overrides epochs
+            continue
         rows.append((name, _fmt(value)))
     if "bf16" in args or "fp16" in args:
         rows.append(("precision", "bf16" if args.get("bf16") else "fp16" if args.get("fp16") else "fp32"))
@@ -375,7 +386,7 @@ def _benchmark_table(report) -> dict:
     rows = []
     if isinstance(report.get("ar_sft"), dict):
         r = report["ar_sft"]
-        rows.append({"name": "AR SFT baseline (separate model, compute-matched)", "threshold": "–",
+        rows.append({"name": "AR SFT baseline (a separate AR-trained model)", "threshold": "–",
                      "accuracy": acc(r.get("accuracy")), "tokens_per_forward": num(r.get("tokens_per_forward", 1.0)),
                      "speedup": num(r.get("speedup_vs_ar"), "×")})
     if isinstance(report.get("ar"), dict):
@@ -398,7 +409,8 @@ def _benchmark_table(report) -> dict:
         if report.get(key) is not None:
             value = f"`{report[key]}`" if key == "command" else report[key]
             notes.append(f"{label}: {value}.")
-    notes.append("Speedup is wall-clock relative to AR decoding of the same model with KV cache, where measured.")
+    if any(row["speedup"] != "–" for row in rows):
+        notes.append("Speedup: the report's `speedup_vs_ar`, wall-clock time relative to AR decoding of the same model.")
     return {"block_size": report.get("block_size"), "description": report.get("description"), "rows": rows,
             "notes": notes}
 
@@ -499,7 +511,8 @@ def build_model_card(directory, mars: dict, config_dict: dict, threshold: float,
         threshold=_fmt(threshold),
         decode_block_size=block_size,
         chat=chat,
-        example_prompt=card_fields.get("example_prompt") or "What is 12 * 7?",
+        # a Python string literal (quotes, newlines escaped) for the usage snippets
+        example_prompt=json.dumps(card_fields.get("example_prompt") or "What is 12 * 7?", ensure_ascii=False),
         benchmark=_benchmark_table(benchmark) if benchmark is not None else None,
         training=_training_rows(mars, training_args, trainer_state),
         versions=_versions(),
@@ -534,6 +547,8 @@ def write_mars_extras(save_directory, model=None, tokenizer=None, training_args=
         mars = _mars_from_config(config_dict, "the model")
     else:
         raise _not_mars(directory, "it has no config.json")
+    processor = tokenizer
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a ProcessorMixin wraps the tokenizer
     if tokenizer is not None:
         mask = mars.get("mask_token")
         if tokenizer.convert_tokens_to_ids(mask) != mars["mask_token_id"]:
@@ -542,7 +557,7 @@ def write_mars_extras(save_directory, model=None, tokenizer=None, training_args=
                 f"config.mars says {mars['mask_token_id']}: pass the tokenizer that `add_mask_token` changed."
             )
         if not _has_tokenizer(directory):
-            tokenizer.save_pretrained(directory)
+            processor.save_pretrained(directory)
     unknown = set(card_fields) - set(CARD_FIELDS)
     if unknown:
         raise ValueError(f"Unknown model-card field(s) {sorted(unknown)}; accepted: {', '.join(CARD_FIELDS)}.")
@@ -580,6 +595,11 @@ def save_for_hub(model, tokenizer, save_directory, training_args=None, **card_fi
     unknown = set(card_fields) - set(CARD_FIELDS)
     if unknown:
         raise ValueError(f"Unknown model-card field(s) {sorted(unknown)}; accepted: {', '.join(CARD_FIELDS)}.")
+    _check_defaults(card_fields.get("mars_threshold"), card_fields.get("mars_block_size"))
+    if card_fields.get("benchmark") is not None:
+        _benchmark_table(card_fields["benchmark"])  # a malformed report fails before anything is written
+    if card_fields.get("repo_id") is not None:
+        validate_repo_id(card_fields["repo_id"])
     directory = Path(save_directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
@@ -632,7 +652,8 @@ def push_to_hub(directory, repo_id, private=None, revision=None, create_pr=False
     Pickled files and trainer state are never committed (PUSH_IGNORE_PATTERNS). The token
     comes from ``token``, HF_TOKEN or `hf auth login`. ``dry_run`` returns the list of
     files that would be committed, touching neither the network nor the folder. Otherwise
-    returns huggingface_hub's CommitInfo.
+    returns huggingface_hub's CommitInfo; a card rendered without a repo id gets ``repo_id``
+    written into its usage snippets first.
     """
     validate_repo_id(repo_id)
     directory = Path(directory)

@@ -311,6 +311,12 @@ class MARSTrainer(SFTTrainer):
                 "model with attn_implementation='sdpa' (default), 'eager' or 'flex_attention'."
             )
 
+        if attn == "flex_attention" and args.device.type == "cpu":
+            raise ValueError(
+                f"flex_attention has no backward pass on CPU (torch {torch.__version__}), so it cannot train here. "
+                "Use attn_implementation='sdpa' on CPU; flex_attention (BlockMask, skips masked tiles) on GPU."
+            )
+
         user_collator = data_collator is not None
         super().__init__(model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, peft_config=peft_config,

@@ -56,6 +56,7 @@ def test_cli_json_structure_and_sanity(tmp_path, checkpoint, capsys):
     assert set(result["step_costs"]) == {"1", "2"}
     for costs in result["step_costs"].values():
         assert costs["cost_1_ms"] > 0 and costs["cost_5_ms"] > 0 and costs["ratio"] > 0
+        assert {"1", "4", "5"} <= set(costs["table_ms"])  # 1, 1 + B, the block-cache chunk (+ widths used)
 
     rows = result["rows"]
     # per batch size: AR + 2 tau x 2 caches + 1 verify
@@ -74,7 +75,8 @@ def test_cli_json_structure_and_sanity(tmp_path, checkpoint, capsys):
             assert r["tokens_per_forward"] == 1.0 and r["speedup"] == 1.0
             assert r["forward_calls_consistent"]
         else:
-            assert r["limit"] > 0 and r["efficiency"] > 0 and r["ideal"] > 0
+            assert r["limit"] > 0 and r["efficiency"] > 0 and r["ideal"] > 0 and r["limit_w"] > 0
+            assert r["mean_decode_width"] >= 1
             if "stats_emitted_tokens" in r:  # the loop's own count agrees with the count from the sequences
                 assert r["stats_emitted_tokens"] == r["tokens"]
     # exactness the benchmark reports: tau = 1 and verify mode reproduce greedy decoding

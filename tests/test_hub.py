@@ -127,7 +127,7 @@ def test_model_card_parses(saved):
     # the measured table: one row per tau, accuracy and tokens per forward
     assert "| MARS | 0.9 | 78.5% | 2.13 | 1.61× |" in text
     assert "| MARS (one-token mode) | 1 | 82.0% | 1.00 | 1.00× |" in text
-    assert "80.0%" in text and "1.84" in text
+    assert "| AR SFT baseline (a separate AR-trained model) | – | 80.0% | 1.00 | – |" in text and "1.84" in text
     assert "| MARS block size B | 4 |" in text
 
 
@@ -171,8 +171,13 @@ def test_card_field_errors(saved, tmp_path):
         save_for_hub(model, tok, tmp_path / "x", base_modle="typo/name")
     with pytest.raises(ValueError, match="report dict"):
         save_for_hub(model, tok, tmp_path / "y", benchmark={"accuracy": 1.0})
-    with pytest.raises(ValueError, match="mars_threshold must be in"):
+    with pytest.raises(ValueError, match=r"mars_threshold must be a number in \[0, 1\]"):
         save_for_hub(model, tok, tmp_path / "z", mars_threshold=2.0)
+    with pytest.raises(ValueError, match="mars_block_size must be an int"):
+        save_for_hub(model, tok, tmp_path / "w", mars_block_size=0)
+    with pytest.raises(ValueError, match="namespace/name"):
+        save_for_hub(model, tok, tmp_path / "v", repo_id="no-namespace")
+    assert not any((tmp_path / d).exists() for d in "xyzwv")  # nothing written for bad input
 
 
 # --------------------------------------------------------------------------- not a MARS checkpoint
@@ -355,10 +360,14 @@ LOADER = textwrap.dedent(r'''
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
-    repo, prompts, new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    repo, enc, new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
     tok = AutoTokenizer.from_pretrained(repo)
-    batch = tok(prompts, return_tensors="pt", padding=True)
-    single = tok(prompts[:1], return_tensors="pt")
+    res["tokenizer_ids"] = tok(enc["prompts"], padding=True)["input_ids"]
+    res["mask_token_id"] = tok.mask_token_id
+    # token ids come from the parent process, so the checks below do not depend on the tokenizer round trip
+    batch = {k: torch.tensor(v) for k, v in enc["batch"].items()}
+    single = {k: torch.tensor(v) for k, v in enc["single"].items()}
+    prompts = enc["prompts"]
 
     plain = AutoModelForCausalLM.from_pretrained(repo)
     res["plain_generate_is_method"] = getattr(plain.generate, "__func__", None) is type(plain).generate
@@ -404,7 +413,9 @@ def loaded(saved, tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_", "PYTHONPATH"))}
     env.update(HF_HOME=str(home), HF_HUB_CACHE=str(home / "hub"), HF_MODULES_CACHE=str(home / "modules"),
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(script), REPO_ID, json.dumps(PROMPTS), "24"], cwd=home, env=env,
+    _, tok, _ = saved
+    enc = {"prompts": PROMPTS, "batch": dict(tok(PROMPTS, padding=True)), "single": dict(tok(PROMPTS[:1]))}
+    proc = subprocess.run([sys.executable, str(script), REPO_ID, json.dumps(enc), "24"], cwd=home, env=env,
                           capture_output=True, text=True, timeout=300)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -426,10 +437,23 @@ def test_loaded_tau1_equals_greedy(loaded, saved):
     assert model.generate(**batch, max_new_tokens=24, do_sample=False).tolist() == loaded["greedy"]
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "transformers 5 loads any tokenizer of a qwen2 folder as Qwen2Tokenizer (qwen2 is in "
+    "MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), which swaps the tiny char tokenizer's pre-tokenizer for a "
+    "byte-level one, so spaces vanish. Fixed when hf_mars.tiny builds a byte-level BPE without merges; then "
+    "remove this marker."))
+def test_loaded_tokenizer_matches(loaded, saved):
+    """AutoTokenizer on the repo id encodes as the tokenizer the model was trained with."""
+    _, tok, _ = saved
+    assert loaded["mask_token_id"] == tok.mask_token_id
+    assert loaded["tokenizer_ids"] == tok(PROMPTS, padding=True)["input_ids"]
+
+
 def test_loaded_tau0_takes_fewer_forwards(loaded):
     forwards, new = loaded["tau0_forwards"], loaded["tau0_new_tokens"]
     assert new >= 12, loaded
     assert forwards < new, loaded  # counted with a forward hook, prefill included
+    print(f"tau=0: {new} tokens in {forwards} forwards")
     assert loaded["tau0_stats"][0][0] <= forwards and loaded["tau0_stats"][1][0] > loaded["tau0_stats"][0][0]
 
 
@@ -440,3 +464,60 @@ def test_loaded_plain_is_ar(loaded):
 
 def test_pipeline_with_mars_args(loaded):
     assert loaded["pipe_mars"] == loaded["pipe_plain"] and len(loaded["pipe_mars"]) > 0
+
+
+# --------------------------------------------------------------------------- MARSTrainer checkpoints
+
+
+def test_trainer_checkpoints_are_hub_ready(tmp_path, monkeypatch):
+    """Every folder MARSTrainer saves (checkpoint-N and save_model) is a complete MARS Hub checkpoint."""
+    # trust_remote_code copies custom_generate/ into HF_MODULES_CACHE: keep it out of the user's cache
+    monkeypatch.setattr("transformers.dynamic_module_utils.HF_MODULES_CACHE", str(tmp_path / "modules"))
+    from huggingface_hub import ModelCard
+    from transformers import AutoModelForCausalLM
+
+    from hf_mars import MARSConfig, MARSTrainer
+    from hf_mars.data import make_dataset
+
+    tok = build_char_tokenizer()
+    model = tiny_qwen2(tok, hidden_size=32)
+    out = tmp_path / "run"
+    args = MARSConfig(output_dir=str(out), max_steps=2, save_steps=1, per_device_train_batch_size=4, report_to="none",
+                      learning_rate=1e-3, use_cpu=True, max_length=128, block_size=BLOCK, disable_tqdm=True)
+    trainer = MARSTrainer(model=model, args=args, train_dataset=make_dataset(8), processing_class=tok)
+    trainer.train()
+    trainer.save_model(str(out))
+    for folder in (out / "checkpoint-1", out / "checkpoint-2", out):
+        mars = hub.check_checkpoint(folder, for_push=True)
+        assert mars["block_size"] == BLOCK and mars["mask_token_id"] == tok.mask_token_id
+        assert (folder / "custom_generate/generate.py").read_bytes() == hub.generation_module_path().read_bytes()
+        card = ModelCard.load(folder / "README.md")
+        assert {"mars", "custom_generate"} <= set(card.data.tags)
+        assert "| learning rate | 0.001 |" in card.text and "| max steps | 2 |" in card.text
+        files = hub.push_to_hub(folder, REPO_ID, dry_run=True)
+        assert "model.safetensors" in files and not [f for f in files if f.endswith((".bin", ".pt", ".pth"))]
+        assert "trainer_state.json" not in files
+
+    loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert loaded.generate.func.__module__.startswith("transformers_modules.")
+    plain = AutoModelForCausalLM.from_pretrained(out)
+    batch = tok(PROMPTS, return_tensors="pt", padding=True)
+    greedy = plain.generate(**batch, max_new_tokens=16, do_sample=False)
+    torch.testing.assert_close(loaded.generate(**batch, max_new_tokens=16, do_sample=False, mars=True,
+                                               mars_threshold=1.0), greedy)
+
+
+def test_card_usage_snippets_are_valid_python(saved, tmp_path):
+    """The usage code in the card compiles, whatever the example prompt holds."""
+    import ast
+    import re
+
+    model, tok, _ = saved
+    folder = save_for_hub(model, tok, tmp_path / "c", repo_id=REPO_ID, example_prompt='Say "hi"\nthen {stop}')
+    text = (folder / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) >= 3
+    for block in blocks:
+        ast.parse(block)
+    assert f'from_pretrained("{REPO_ID}", trust_remote_code=True)' in text and hub.REPO_ID_PLACEHOLDER not in text
+    assert "'Say \"hi\"\\nthen {stop}'" not in text and '"Say \\"hi\\"\\nthen {stop}"' in text

@@ -59,9 +59,8 @@ def test_lm_eval_hf_backend_uses_mars(tmp_path, monkeypatch):
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
     monkeypatch.setattr("transformers.dynamic_module_utils.HF_MODULES_CACHE", str(tmp_path / "modules"))
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    monkeypatch.setattr("datasets.config.HF_DATASETS_CACHE", tmp_path / "datasets")  # the task's json cache
     tok = build_char_tokenizer()
     model = tiny_qwen2(tok, seed=1, hidden_size=32)
     add_mask_token(model, tok)

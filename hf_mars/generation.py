@@ -1,0 +1,962 @@
+"""MARS decoding inside ``model.generate``: sliding window, block-level KV cache, lossless verify mode.
+
+This file imports only torch, transformers and the standard library: it ships
+verbatim inside every MARS checkpoint as ``custom_generate/generate.py``.
+
+Three ways in, one decoding loop:
+
+- ``model.generate(..., custom_generate=mars_generate, mars_threshold=0.9)``:
+  transformers prepares everything (generation config, logits processors,
+  stopping criteria, cache, attention mask) and hands the loop to
+  `mars_generate`.
+- ``enable_mars(model)``; then ``model.generate(..., mars=True, mars_threshold=0.9)``.
+  Any ``mars_*`` argument implies ``mars=True``; without them ``generate`` is
+  the ordinary one. The mask token is suppressed in both.
+- The module-level `generate(*args, model, **kwargs)` is the entry point
+  transformers calls when this file is a checkpoint's ``custom_generate/generate.py``
+  (``from_pretrained(..., trust_remote_code=True)`` or ``generate(custom_generate=dir)``);
+  it behaves like ``enable_mars``'d generate.
+
+One step (spec section 2): feed each row's not-yet-cached committed tokens plus
+``B`` mask tokens. Candidate 0 is the ordinary AR next token (position before
+the masks); candidate ``j`` is read from mask ``j``. Candidates are accepted
+left to right while their confidence is >= tau; the first failure stops the
+run. The masks' cache entries are cropped away. Every candidate passes through
+the full logits-processor chain with ``input_ids`` extended by the earlier
+candidates, and stopping criteria are checked after every accepted token.
+
+Batched rows accept different counts. Each step every row feeds its uncached
+tokens right-aligned in the step's chunk (left-padded; pads stay masked in the
+2D attention mask forever), position ids follow each row's real-token count,
+so the masks always sit in the same columns and one ``cache.crop`` drops them
+for all rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import sys
+from typing import Any
+
+import torch
+from transformers import GenerationMixin
+from transformers.generation import logits_process as _lp
+from transformers.generation import stopping_criteria as _sc
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+DEFAULT_THRESHOLD = 0.95  # the paper's multi-token setting (1.0 = one token per forward = AR greedy)
+DEFAULT_BLOCK_SIZE = 4  # the paper's default block size
+DEFAULT_CACHE_BLOCK = 16  # block-cache chunk; the paper's best is 16-32
+ACCEPTANCE_MODES = ("probability", "entropy", "margin")
+CACHE_MODES = ("sliding", "block", "block_trained")
+MARS_ARGUMENTS = (
+    "mars",
+    "mars_threshold",
+    "mars_block_size",
+    "mars_acceptance",
+    "mars_max_accept",
+    "mars_cache",
+    "mars_cache_block",
+    "mars_verify",
+    "mars_use_last_mask",
+    "mars_streamer",
+)
+
+# Processors that ignore `input_ids` (they only reshape the distribution): a chain made of these alone is
+# applied to all candidates of a step at once. Anything else (penalties, n-gram bans, bad words, length
+# rules, user processors) is applied candidate by candidate on the exact history AR decoding would see.
+_HISTORY_FREE_PROCESSORS = tuple(
+    cls
+    for cls in (
+        getattr(_lp, name, None)
+        for name in (
+            "TemperatureLogitsWarper",
+            "TopKLogitsWarper",
+            "TopPLogitsWarper",
+            "TopHLogitsWarper",
+            "MinPLogitsWarper",
+            "TypicalLogitsWarper",
+            "EpsilonLogitsWarper",
+            "EtaLogitsWarper",
+            "SuppressTokensLogitsProcessor",
+            "InfNanRemoveLogitsProcessor",
+            "LogitNormalization",
+        )
+    )
+    if cls is not None
+)
+
+
+@dataclasses.dataclass
+class MARSGenerateOutput(GenerateDecoderOnlyOutput):
+    """`GenerateDecoderOnlyOutput` plus MARS statistics, one entry per row.
+
+    ``scores`` / ``logits`` hold one tensor per emitted token position (like AR
+    decoding); rows that emitted fewer tokens are filled with ``-inf``.
+    ``mars_forward_passes``: forwards a row took part in until it finished;
+    ``mars_emitted_tokens``: tokens it emitted. Their ratio is tokens per forward.
+    """
+
+    mars_forward_passes: torch.LongTensor | None = None
+    mars_emitted_tokens: torch.LongTensor | None = None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Options
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Options:
+    tau: float
+    block_size: int
+    acceptance: str
+    max_accept: int | None
+    cache: str
+    cache_block: int
+    verify: bool
+    use_last_mask: bool
+    mask_token_id: int
+
+
+def _mars_metadata(model) -> dict:
+    meta = getattr(getattr(model, "config", None), "mars", None)
+    return meta if isinstance(meta, dict) else {}
+
+
+def _mask_token_id(model, required: bool = True) -> int | None:
+    """The mask token id recorded in ``model.config.mars`` (the MARS metadata contract)."""
+    mask_id = _mars_metadata(model).get("mask_token_id")
+    if mask_id is None:
+        if not required:
+            return None
+        raise ValueError(
+            "MARS decoding needs a mask token, but model.config.mars['mask_token_id'] is not set: this model was "
+            "never prepared for MARS. Add the mask token with `hf_mars.add_mask_token(model, tokenizer)` and fine-tune "
+            "with `hf_mars.MARSTrainer` (an untrained mask token predicts nothing useful), or load a MARS checkpoint."
+        )
+    if isinstance(mask_id, bool) or not isinstance(mask_id, int) or mask_id < 0:
+        raise ValueError(f"model.config.mars['mask_token_id'] must be a non-negative int, got {mask_id!r}.")
+    return mask_id
+
+
+def _resolve_options(model, generation_config, **given) -> _Options:
+    """Defaults: generate argument > generation_config.mars_* > config.mars > built-in; then validate."""
+    mask_id = _mask_token_id(model)
+    meta = _mars_metadata(model)
+
+    def pick(name, fallback):
+        value = given.get(name)
+        if value is None:
+            value = getattr(generation_config, name, None)
+        return fallback if value is None else value
+
+    tau = pick("mars_threshold", DEFAULT_THRESHOLD)
+    block_size = pick("mars_block_size", meta.get("block_size") or DEFAULT_BLOCK_SIZE)
+    acceptance = pick("mars_acceptance", "probability")
+    max_accept = pick("mars_max_accept", None)
+    cache = pick("mars_cache", "sliding")
+    cache_block = pick("mars_cache_block", DEFAULT_CACHE_BLOCK)
+    verify = pick("mars_verify", False)
+    use_last_mask = pick("mars_use_last_mask", False)
+
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not (0.0 <= float(tau) <= 1.0):
+        raise ValueError(
+            f"mars_threshold must be a number in [0, 1] (1.0 = one token per forward, exactly AR), got {tau!r}."
+        )
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"mars_block_size must be an int >= 1 (the trained block size, e.g. 4), got {block_size!r}.")
+    if acceptance not in ACCEPTANCE_MODES:
+        raise ValueError(f"mars_acceptance must be one of {ACCEPTANCE_MODES}, got {acceptance!r}.")
+    if max_accept is not None and (isinstance(max_accept, bool) or not isinstance(max_accept, int) or max_accept < 1):
+        raise ValueError(f"mars_max_accept must be None or an int >= 1, got {max_accept!r}.")
+    if cache not in CACHE_MODES:
+        raise ValueError(f"mars_cache must be one of {CACHE_MODES}, got {cache!r}.")
+    if isinstance(cache_block, bool) or not isinstance(cache_block, int) or cache_block < 1:
+        raise ValueError(f"mars_cache_block must be an int >= 1 (the paper's best is 16-32), got {cache_block!r}.")
+    if not isinstance(verify, bool):
+        raise ValueError(f"mars_verify must be True or False, got {verify!r}.")
+    if not isinstance(use_last_mask, bool):
+        raise ValueError(f"mars_use_last_mask must be True or False, got {use_last_mask!r}.")
+    if verify and cache != "sliding":
+        raise ValueError(
+            "mars_verify=True keeps its own sliding cache (rejected drafts are masked out in place); "
+            f"it cannot be combined with mars_cache={cache!r}. Use mars_cache='sliding'."
+        )
+    return _Options(
+        tau=float(tau),
+        block_size=block_size,
+        acceptance=acceptance,
+        max_accept=max_accept,
+        cache=cache,
+        cache_block=cache_block,
+        verify=verify,
+        use_last_mask=use_last_mask,
+        mask_token_id=mask_id,
+    )
+
+
+def _check_supported(model, generation_config, model_kwargs, assistant_model=None):
+    """Clear errors for what a MARS loop cannot do, before any forward."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError("MARS decoding supports decoder-only models only.")
+    if (generation_config.num_beams or 1) > 1:
+        raise ValueError(
+            f"MARS decoding cannot be combined with beam search (num_beams={generation_config.num_beams}); "
+            "use num_beams=1 (greedy or sampling)."
+        )
+    if assistant_model is not None or generation_config.prompt_lookup_num_tokens:
+        raise ValueError(
+            "MARS decoding cannot be combined with assisted generation (assistant_model / prompt_lookup_num_tokens): "
+            "MARS already drafts its own tokens. For lossless self-speculative decoding use mars_verify=True."
+        )
+    if getattr(generation_config, "num_assistant_tokens", None) and assistant_model is not None:
+        raise ValueError("MARS decoding cannot be combined with an assistant model.")
+    if generation_config.use_cache is False:
+        raise ValueError("MARS decoding needs the KV cache; do not pass use_cache=False.")
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError("MARS decoding needs input_ids (it appends mask tokens); inputs_embeds are not supported.")
+    if generation_config.output_attentions or generation_config.output_hidden_states:
+        raise ValueError(
+            "output_attentions / output_hidden_states are not supported by MARS decoding (a forward covers several "
+            "tokens and masks); use output_scores / output_logits."
+        )
+    if generation_config.prefill_chunk_size is not None:
+        raise ValueError("prefill_chunk_size is not supported by MARS decoding.")
+    cache = model_kwargs.get("cache")
+    if cache is not None and not getattr(cache, "is_croppable", False):
+        raise ValueError(
+            f"MARS decoding crops the KV cache after every step, which {type(cache).__name__} does not support. "
+            "Use the default dynamic cache (do not set cache_implementation)."
+        )
+    for key, value in model_kwargs.items():
+        if key in ("cache", "attention_mask", "position_ids", "use_cache", "logits_to_keep", "inputs_embeds"):
+            continue
+        if torch.is_tensor(value):
+            raise ValueError(
+                f"MARS decoding does not know how to extend the per-token model input {key!r} over several "
+                "tokens per step; it is not supported."
+            )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The decoding loop
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _MARSDecoder:
+    """State and steps of one MARS generation (threshold, block-cache or verify mode)."""
+
+    def __init__(self, model, input_ids, logits_processor, stopping_criteria, generation_config, opts, streamer,
+                 model_kwargs):
+        self.model = model
+        self.opts = opts
+        self.gc = generation_config
+        self.streamer = streamer
+        self.device = input_ids.device
+        b, P = input_ids.shape
+        self.b, self.P = b, P
+
+        # --- processors and stopping criteria (prepared by generate; reused, never rebuilt) ---
+        self.processors = logits_processor if logits_processor is not None else []
+        self.history_free = all(isinstance(p, _HISTORY_FREE_PROCESSORS) for p in self.processors)
+        eos_ids, max_length, other = [], None, []
+        for crit in stopping_criteria if stopping_criteria is not None else []:
+            if isinstance(crit, _sc.EosTokenCriteria):
+                eos_ids.extend(torch.as_tensor(crit.eos_token_id).flatten().tolist())
+            elif isinstance(crit, _sc.MaxLengthCriteria):
+                max_length = crit.max_length if max_length is None else min(max_length, crit.max_length)
+            else:
+                other.append(crit)
+        self.other_criteria = _sc.StoppingCriteriaList(other)
+        if max_length is None:
+            max_length = generation_config.max_length
+        if max_length is None:
+            raise ValueError("MARS decoding needs a length limit: pass max_new_tokens or max_length.")
+        self.max_new = int(max_length) - P
+        self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device) if eos_ids else None
+        pad = generation_config._pad_token_tensor
+        if pad is None and eos_ids:
+            pad = eos_ids[0]
+        self.pad = int(torch.as_tensor(pad).flatten()[0]) if pad is not None else 0
+
+        self.do_sample = bool(generation_config.do_sample)
+        self.output_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+        self.output_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
+
+        # --- geometry ---
+        B = opts.block_size
+        self.B = B
+        self.K = B + 1 if opts.use_last_mask else B  # candidates per step (AR + masks)
+        self.one_token = opts.tau >= 1.0
+        self.block = opts.cache in ("block", "block_trained")
+        self.C = opts.cache_block
+        # verify mode: drafts per step come from the masks (B - 1, or B with the last mask)
+        self.Kd = (self.K - 1) if not self.one_token else 0
+        max_slots = (self.Kd + 1 + self.Kd) if opts.verify else self.K
+        self.buf_len = P + max(self.max_new, 0) + max_slots + 2
+
+        # --- token buffer: prompt | generated (pad-filled: finished rows read like AR's padded rows) ---
+        self.seq = torch.full((b, self.buf_len), self.pad, dtype=torch.long, device=self.device)
+        self.seq[:, :P] = input_ids
+        attn = model_kwargs.get("attention_mask")
+        self.prompt_attn = attn
+        if attn is not None:
+            self.prompt_real = attn.long().sum(-1)
+            pos0 = attn.long().cumsum(-1) - 1
+            self.prompt_pos = pos0.masked_fill(attn == 0, 0)
+        else:
+            self.prompt_real = torch.full((b,), P, dtype=torch.long, device=self.device)
+            self.prompt_pos = torch.arange(P, device=self.device).unsqueeze(0).expand(b, P)
+        self.cache = model_kwargs.get("cache")
+        self.cache_attn = None  # 2D mask over the cache's columns (None while every column is real)
+        self.cache_len = 0
+        self.extra_forward_kwargs = {
+            k: v for k, v in model_kwargs.items()
+            if k not in ("cache", "attention_mask", "position_ids", "use_cache", "logits_to_keep", "inputs_embeds")
+        }
+        self.supports_logits_to_keep = model._supports_logits_to_keep()
+        # positions reach prompt + generated + one chunk of drafts/masks
+        self.arange = torch.arange(self.buf_len + 2 * (self.C + self.K) + 8, device=self.device)
+        self.mask_col = torch.full((1, 1), opts.mask_token_id, dtype=torch.long, device=self.device)
+
+        # --- per-row state: python mirrors (one host sync per step) + device tensors ---
+        self.n = [0] * b  # emitted tokens
+        self.cached = [-P] * b  # generated index of the first token not in the cache (-P: prompt not fed yet)
+        self.unf = [True] * b
+        self.m = [0] * b  # block cache: tokens accepted in the current chunk
+        self.d = [0] * b  # verify: pending drafts (stored in `seq` right after the committed tokens)
+        self.chunk_start = True
+        self.q_drafts = None  # verify + sampling: distributions the pending drafts were drawn from
+        self.forwards = torch.zeros(b, dtype=torch.long, device=self.device)
+        self.records = [] if (self.output_scores or self.output_logits) else None
+        self.model_forward = model.__call__
+        self.prompt_real_int = int(self.prompt_real[0]) if b == 1 else None
+        self.one = torch.ones(1, dtype=torch.long, device=self.device)
+
+    # ---------------------------------------------------------------- one step
+    def _plan(self):
+        """Per-row counts for this step (python lists; cheap for any realistic batch).
+
+        u: uncached committed tokens to feed, d: pending drafts (verify), nm: masks, nslot: candidate slots.
+        A row is active when it may accept tokens this step (unfinished, and not waiting for its chunk).
+        """
+        b, opts = self.b, self.opts
+        max_accept = opts.max_accept or self.max_new
+        u, d, nm, nslot, active = [0] * b, [0] * b, [0] * b, [0] * b, [False] * b
+        for r in range(b):
+            if not self.unf[r] or (self.block and not self.chunk_start and self.m[r] >= self.C):
+                continue
+            active[r] = True
+            rem = self.max_new - self.n[r]
+            u[r] = self.n[r] - self.cached[r]
+            nm[r] = self.C - self.m[r] if opts.cache == "block" else self.B
+            if opts.verify:
+                d[r] = self.d[r]
+                # new drafts + the AR token must fit the length limit and the per-step cap
+                kd = min(self.Kd, max(0, rem - d[r] - 2), max_accept - 1)
+                nslot[r] = d[r] + 1 + kd
+            else:
+                sr = 1 if self.one_token else 1 + min(self.K - 1, nm[r])
+                if self.block:
+                    sr = min(sr, self.C - self.m[r])
+                nslot[r] = min(sr, rem, max_accept)
+        return u, d, nm, nslot, active
+
+    def step(self):
+        b, P, opts, dev = self.b, self.P, self.opts, self.device
+        first = self.cached[0] == -P
+        u, d, nm, nslot, active = self._plan()
+        rows = [r for r in range(b) if active[r]]
+        lens = [u[r] + d[r] + nm[r] for r in range(b)]
+        S = max(nslot)
+        Lk = max(nm[r] + d[r] + 1 for r in rows)  # logits from candidate 0 (before drafts and masks) on
+        uniform = len({(nm[r], d[r]) for r in rows}) == 1
+        start = content_len = None
+
+        # ---- inputs: per row [uncached committed | drafts | masks], right-aligned in a (b, T) chunk
+        if first:  # prefill: [prompt | masks], the same number of masks in every row
+            T = P + nm[rows[0]]
+            inp = torch.cat([self.seq[:, :P], self.mask_col.expand(b, nm[rows[0]])], dim=1)
+            pos = torch.cat([self.prompt_pos, self.prompt_real[:, None] + self.arange[:nm[rows[0]]][None]], dim=1)
+            col_real = None if self.prompt_attn is None else torch.cat(
+                [self.prompt_attn.bool(), torch.ones(b, T - P, dtype=torch.bool, device=dev)], dim=1)
+        elif b == 1:  # no padding ever: plain slices
+            T, c = lens[0], self.cached[0]
+            inp = self.seq[:, P + c:P + c + u[0] + d[0]]
+            if nm[0]:
+                inp = torch.cat([inp, self.mask_col.expand(1, nm[0])], dim=1)
+            off = self.prompt_real_int + c
+            pos = self.arange[off:off + T][None]
+            col_real = None if self.cache_attn is None else torch.ones(1, T, dtype=torch.bool, device=dev)
+        else:
+            T = max(lens)
+            lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
+            content_len = torch.tensor([u[r] + d[r] for r in range(b)], dtype=torch.long, device=dev)
+            cached_t = torch.tensor(self.cached, dtype=torch.long, device=dev)
+            start = T - lens_t
+            rel = self.arange[:T][None, :] - start[:, None]
+            col_real = rel >= 0
+            is_tok = col_real & (rel < content_len[:, None])
+            tok = self.seq.gather(1, ((P + cached_t)[:, None] + rel).clamp(0, self.buf_len - 1))
+            inp = torch.where(is_tok, tok, torch.where(col_real, self.mask_col, self.pad))
+            pos = torch.where(col_real, (self.prompt_real + cached_t)[:, None] + rel, 0)
+            # pads only matter in rows still decoding; with none there and none in the cache, no mask at all
+            if self.cache_attn is None and all(lens[r] == T for r in rows):
+                col_real = None
+
+        if col_real is not None:
+            cache_attn = self.cache_attn
+            if cache_attn is None:
+                cache_attn = torch.ones(b, self.cache_len, dtype=torch.long, device=dev)
+            attn = torch.cat([cache_attn, col_real.long()], dim=1)
+        else:
+            attn = None
+        fkw = self.extra_forward_kwargs
+        if self.supports_logits_to_keep:
+            fkw = dict(fkw, logits_to_keep=Lk)
+        out = self.model_forward(input_ids=inp, attention_mask=attn, position_ids=pos, cache=self.cache,
+                                 use_cache=True, return_dict=True, **fkw)
+        if getattr(out, "cache", None) is not None:
+            self.cache = out.cache
+        logits = out.logits[:, -Lk:]
+        del out
+        if b == 1:
+            self.forwards += 1
+        else:
+            self.forwards += torch.tensor(self.unf, dtype=torch.long, device=dev)
+
+        # ---- candidate slots: slot s of row r reads column c0_r + s (c0_r: before its drafts and masks)
+        if uniform:
+            off = Lk - (nm[rows[0]] + d[rows[0]] + 1)
+            slot_logits = logits[:, off:off + S]
+        else:
+            c0 = torch.tensor([Lk - (nm[r] + d[r] + 1) if active[r] else 0 for r in range(b)], device=dev)
+            idx = (c0[:, None] + self.arange[:S][None]).clamp(max=Lk - 1)
+            slot_logits = logits.gather(1, idx[:, :, None].expand(-1, -1, logits.shape[-1]))
+        slot_logits = slot_logits.to(dtype=torch.float32, copy=True)
+        slot_logits[..., opts.mask_token_id] = -math.inf  # the mask token is never emitted
+        if b == 1:
+            n0 = self.n[0]
+            slot_pos = self.arange[P + n0:P + n0 + S][None]  # where slot s's token lives in `seq`
+            valid = active_t = None  # the single row is active and all its slots are valid
+        else:
+            n_t = torch.tensor(self.n, dtype=torch.long, device=dev)
+            slot_pos = P + n_t[:, None] + self.arange[:S][None, :]
+            valid = self.arange[:S][None, :] < torch.tensor(nslot, dtype=torch.long, device=dev)[:, None]
+            active_t = torch.tensor(active, dtype=torch.bool, device=dev)
+        forced = forced_mask = None
+        if opts.verify and max(d) > 0:
+            forced_mask = self.arange[:S][None, :] < torch.tensor(d, dtype=torch.long, device=dev)[:, None]
+            forced = self.seq.gather(1, slot_pos)  # the pending drafts sit right after the committed tokens
+
+        scores, chosen = self._process(slot_logits, S, rows, active_t, forced, forced_mask, slot_pos)
+        if opts.verify:
+            acc, newd = self._accept_verify(scores, chosen, forced, forced_mask, valid, d, slot_pos, active_t, S)
+            emitted = self.seq.gather(1, slot_pos)
+        else:
+            acc, newd = self._accept_threshold(scores, chosen, valid), None
+            emitted = chosen
+
+        # ---- stops, checked after every accepted token: EOS, then any other criteria
+        stop = None
+        if self.eos is not None:
+            eos_at = torch.where(torch.isin(emitted, self.eos), self.arange[1:S + 1], S + 1).amin(1)
+            stop = eos_at <= acc
+            acc = torch.minimum(acc, eos_at)
+        if len(self.other_criteria) > 0:
+            acc, hit = self._other_criteria(acc, S, rows, scores)
+            stop = hit if stop is None else stop | hit
+        if self.records is not None:
+            self.records.append((scores if self.output_scores else None,
+                                 slot_logits if self.output_logits else None, list(self.n), acc))
+
+        # ---- the one host sync of the step
+        parts = [acc]
+        if stop is not None:
+            parts.append(stop.long())
+        if newd is not None:
+            parts.append(newd)
+        host = torch.cat(parts).tolist() if len(parts) > 1 else acc.tolist()
+        acc_l = host[:b]
+        stop_l = host[b:2 * b] if stop is not None else [0] * b
+        newd_l = host[-b:] if newd is not None else None
+        fin_l = [active[r] and (bool(stop_l[r]) or self.n[r] + acc_l[r] >= self.max_new) for r in range(b)]
+
+        # ---- cache: drop the masks (block steps inside a chunk: everything fed, back to the frozen prefix)
+        keep_cols = T - max(nm)  # the masks are the last columns whenever anything is kept
+        leftover = False  # verify: rejected drafts left in the cache, masked out instead of cropped
+        if self.block and not first and not self.chunk_start:
+            drop, keep_cols = T, 0
+        elif opts.verify and not first:
+            # rejected drafts sit at the right end of each row's kept columns: crop what every row rejected
+            rejected = [d[r] - (acc_l[r] - 1) for r in rows if not fin_l[r]]
+            extra = max(0, min(min(rejected) if rejected else 0, keep_cols))
+            leftover = any(x > extra for x in rejected)
+            drop = T - keep_cols + extra
+            keep_cols -= extra
+        else:
+            drop = T - keep_cols
+        if drop:
+            self.cache.crop(-drop)
+        if keep_cols:
+            if col_real is not None or self.cache_attn is not None or leftover:
+                kept = col_real[:, :keep_cols] if col_real is not None else torch.ones(
+                    b, keep_cols, dtype=torch.bool, device=dev)
+                if leftover:  # a draft column stays real only if its draft was accepted (acc - 1 of them)
+                    rel_k = self.arange[:keep_cols][None, :] - start[:, None]
+                    d_t = torch.tensor(d, dtype=torch.long, device=dev)
+                    kept = kept & (rel_k < (content_len - d_t + acc - 1)[:, None])
+                base = self.cache_attn
+                if base is None:
+                    base = torch.ones(b, self.cache_len, dtype=torch.long, device=dev)
+                self.cache_attn = torch.cat([base, kept.long()], dim=1)
+            self.cache_len += keep_cols
+
+        # ---- commit on the host side
+        runs = []
+        for r in range(b):
+            a = acc_l[r] if active[r] else 0
+            if keep_cols and self.unf[r]:
+                if first:
+                    self.cached[r] = 0
+                elif opts.verify:
+                    self.cached[r] = self.n[r] + max(a - 1, 0)  # accepted drafts are cached, the AR token is not
+                else:
+                    self.cached[r] = self.n[r]
+            runs.append((self.n[r], a))
+            self.n[r] += a
+            if self.block:
+                self.m[r] += a
+            if opts.verify:
+                self.d[r] = 0 if fin_l[r] else newd_l[r]
+            if fin_l[r]:
+                self.unf[r] = False
+        if any(fin_l):  # finished rows read as pads from here on, like AR's finished rows
+            fin_t = torch.tensor(fin_l, dtype=torch.bool, device=dev)
+            n_new = torch.tensor(self.n, dtype=torch.long, device=dev)
+            tail = self.arange[:self.buf_len][None, :] >= (P + n_new)[:, None]
+            self.seq.masked_fill_(fin_t[:, None] & tail, self.pad)
+        if self.block:
+            self.chunk_start = all((not self.unf[r]) or self.m[r] >= self.C for r in range(b))
+            if self.chunk_start:
+                self.m = [0] * b
+        if self.streamer is not None:
+            self._stream(runs)
+        return any(self.unf)
+
+    # ---------------------------------------------------------------- processing candidates
+    def _choose(self, scores):
+        if self.do_sample:
+            probs = torch.softmax(scores, dim=-1)
+            return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).view(scores.shape[:-1])
+        return scores.argmax(-1)
+
+    def _process(self, slot_logits, S, rows, active_t, forced, forced_mask, slot_pos):
+        """Run the logits-processor chain on every slot and pick a token for it.
+
+        Slot s of row r is processed with input_ids = the row's history extended by the tokens of slots
+        0..s-1 (drafts where forced, chosen tokens otherwise): exactly what AR decoding would pass. The
+        tokens are written into `seq` at their positions (inactive rows keep pads there).
+        """
+        b, P = self.b, self.P
+        if self.history_free:
+            scores = slot_logits
+            if len(self.processors) > 0:
+                V = slot_logits.shape[-1]
+                dummy = self.seq[:, :1].repeat_interleave(S, dim=0)  # these processors ignore input_ids
+                scores = self.processors(dummy, slot_logits.reshape(-1, V)).view(b, S, V)
+            chosen = self._choose(scores)
+            ext = chosen if forced_mask is None else torch.where(forced_mask, forced, chosen)
+            if active_t is not None:
+                ext = torch.where(active_t[:, None], ext, self.pad)
+            self.seq.scatter_(1, slot_pos, ext)
+            return scores, chosen
+        # exact path: one slot at a time; rows grouped by history length. Every call gets the full batch
+        # (processors may hold per-row state); rows outside the group are discarded.
+        groups = {}
+        for r in rows:
+            groups.setdefault(self.n[r], []).append(r)
+        group_rows = {g: torch.tensor(rs, device=self.device) for g, rs in groups.items()}
+        scores = torch.empty_like(slot_logits)
+        chosen = torch.zeros(slot_logits.shape[:2], dtype=torch.long, device=self.device)
+        for s in range(S):
+            for g, rs in group_rows.items():
+                processed = self.processors(self.seq[:, :P + g + s], slot_logits[:, s].clone())
+                if len(group_rows) == 1:
+                    scores[:, s] = processed
+                else:
+                    scores[rs, s] = processed[rs]
+            tok = self._choose(scores[:, s])
+            chosen[:, s] = tok
+            ext = tok if forced_mask is None else torch.where(forced_mask[:, s], forced[:, s], tok)
+            if active_t is not None:
+                ext = torch.where(active_t, ext, self.pad)
+            self.seq.scatter_(1, slot_pos[:, s:s + 1], ext[:, None])
+        return scores, chosen
+
+    def _confidence(self, scores, chosen, probs=None, of_distribution=False):
+        """Confidence on one scale for every acceptance rule: accepted when >= tau."""
+        if probs is None:
+            probs = torch.softmax(scores, dim=-1)
+        mode = self.opts.acceptance
+        if mode == "probability":
+            if of_distribution:
+                return probs.amax(-1)
+            return probs.gather(-1, chosen[..., None]).squeeze(-1)
+        if mode == "entropy":
+            # exp(-H): 1 for a certain distribution, 1/k for uniform over k tokens; >= tau <=> H <= -ln(tau)
+            return torch.exp(-torch.special.entr(probs).sum(-1))
+        top2 = probs.topk(2, dim=-1).values
+        return top2[..., 0] - top2[..., 1]
+
+    def _accept_threshold(self, scores, chosen, valid):
+        """Candidate 0 always; then left to right while confidence >= tau (first failure stops)."""
+        S = scores.shape[1]
+        if self.one_token or S == 1:
+            return self.one.expand(self.b) if valid is None else valid[:, 0].long()
+        ok = self._confidence(scores[:, 1:], chosen[:, 1:]) >= self.opts.tau
+        if valid is not None:
+            ok &= valid[:, 1:]
+        acc = 1 + ok.long().cumprod(1).sum(1)
+        return acc if valid is None else acc * valid[:, 0]
+
+    def _accept_verify(self, scores, chosen, forced, forced_mask, valid, d, slot_pos, active_t, S):
+        """Accept the longest prefix of drafts AR agrees with, plus one AR token; propose new drafts.
+
+        Greedy: a draft is accepted when it equals the AR argmax. Sampling: speculative-sampling acceptance
+        (accept with probability min(1, p/q), on rejection resample from normalised max(p - q, 0)), so the
+        output is distributed exactly as AR sampling.
+        """
+        b, dev = self.b, self.device
+        Dm = max(d)
+        probs = None
+        if Dm == 0:
+            k = torch.zeros(b, dtype=torch.long, device=dev)
+            ar_tok = chosen[:, 0]
+        elif not self.do_sample:
+            agree = (chosen[:, :Dm] == forced[:, :Dm]) & forced_mask[:, :Dm]
+            k = agree.long().cumprod(1).sum(1)
+            ar_tok = chosen.gather(1, k[:, None]).squeeze(1)
+        else:
+            probs = torch.softmax(scores, dim=-1)
+            q = self.q_drafts[:, :Dm]
+            dtok = forced[:, :Dm, None]
+            pd = probs[:, :Dm].gather(-1, dtok).squeeze(-1)
+            qd = q.gather(-1, dtok).squeeze(-1)
+            keep = (torch.rand(b, Dm, device=dev) * qd < pd) & forced_mask[:, :Dm]
+            k = keep.long().cumprod(1).sum(1)
+            V = probs.shape[-1]
+            pk = probs.gather(1, k[:, None, None].expand(-1, 1, V)).squeeze(1)
+            qk = q.gather(1, k.clamp(max=Dm - 1)[:, None, None].expand(-1, 1, V)).squeeze(1)
+            residual = (pk - qk).clamp_min(0)
+            rsum = residual.sum(-1, keepdim=True)
+            dist = torch.where(rsum > 0, residual / rsum.clamp_min(1e-30), pk)
+            resampled = torch.multinomial(dist, 1).squeeze(1)
+            # all drafts accepted: the bonus token is the one already drawn from p at that slot
+            d_t = torch.tensor(d, dtype=torch.long, device=dev)
+            ar_tok = torch.where(k < d_t, resampled, chosen.gather(1, k[:, None]).squeeze(1))
+        # the token at slot k is the AR token (correction or bonus)
+        tok_k = ar_tok if active_t is None else torch.where(active_t, ar_tok, self.pad)
+        self.seq.scatter_(1, slot_pos.gather(1, k[:, None]), tok_k[:, None])
+        acc = k + 1 if active_t is None else (k + 1) * active_t
+        # new drafts: the mask slots after the AR token, kept only where every pending draft was accepted
+        if self.Kd > 0 and S > Dm + 1:
+            d_t = torch.tensor(d, dtype=torch.long, device=dev)
+            first_mask = d_t + 1
+            idx_raw = first_mask[:, None] + self.arange[:self.Kd][None]
+            idx = idx_raw.clamp(max=S - 1)
+            in_range = idx_raw < S
+            if valid is not None:
+                in_range &= valid.gather(1, idx)
+            mprobs = probs if probs is not None else torch.softmax(scores, dim=-1)
+            mprobs = mprobs.gather(1, idx[:, :, None].expand(-1, -1, mprobs.shape[-1]))
+            # truncation looks at the draft distribution only (not the drawn token), so it cannot bias sampling
+            conf = self._confidence(None, chosen.gather(1, idx), probs=mprobs, of_distribution=True)
+            ok = (conf >= self.opts.tau) & in_range
+            newd = torch.where(k == d_t, ok.long().cumprod(1).sum(1), 0)
+            if self.do_sample:
+                self.q_drafts = mprobs
+        else:
+            newd = torch.zeros(b, dtype=torch.long, device=dev)
+        return acc, newd
+
+    def _other_criteria(self, acc, S, rows, scores):
+        """Stopping criteria beyond EOS / length, checked after each accepted token on the exact AR history."""
+        b, P = self.b, self.P
+        groups = {}
+        for r in rows:
+            groups.setdefault(self.n[r], []).append(r)
+        stop_at = torch.full((b,), S + 1, dtype=torch.long, device=self.device)
+        for i in range(1, S + 1):
+            for g, rs in groups.items():
+                hit = self.other_criteria(self.seq[:, :P + g + i], (scores[:, i - 1],) if self.output_scores else None)
+                hit = torch.as_tensor(hit, device=self.device).expand(b).clone()
+                in_group = torch.zeros(b, dtype=torch.bool, device=self.device)
+                in_group[rs] = True
+                hit &= in_group & (i <= acc) & (stop_at > i)
+                stop_at = torch.where(hit, i, stop_at)
+        stop = stop_at <= S
+        return torch.where(stop, stop_at, acc), stop
+
+    def _stream(self, runs):
+        if self.b == 1:
+            start, a = runs[0]
+            if a:
+                self.streamer.put(self.seq[0, self.P + start:self.P + start + a].cpu())
+            return
+        width = max(a for _, a in runs)
+        if width == 0:
+            return
+        block = torch.full((self.b, width), self.pad, dtype=torch.long)
+        cpu = self.seq.cpu()
+        for r, (start, a) in enumerate(runs):
+            block[r, :a] = cpu[r, self.P + start:self.P + start + a]
+        self.streamer.put(block)
+
+    # ---------------------------------------------------------------- results
+    def run(self):
+        if self.max_new <= 0:
+            return self.seq[:, :self.P]
+        with torch.no_grad():
+            while self.step():
+                pass
+        return self.seq[:, :self.P + max(self.n)]
+
+    def assemble(self, which):
+        """One (b, V) tensor per emitted position, from the per-step records."""
+        if not self.records:
+            return None
+        T = max(self.n)
+        if T == 0:
+            return ()
+        V = None
+        per_row = [[] for _ in range(self.b)]
+        for rec in self.records:
+            tensor = rec[which]
+            if tensor is None:
+                return None
+            V = tensor.shape[-1]
+            a_l = rec[3].tolist()
+            for r in range(self.b):
+                if a_l[r] > 0:
+                    per_row[r].append(tensor[r, :a_l[r]])
+        out = torch.full((self.b, T, V), -math.inf, device=self.device)
+        for r in range(self.b):
+            if per_row[r]:
+                rows = torch.cat(per_row[r])[: self.n[r]]
+                out[r, :rows.shape[0]] = rows
+        return tuple(out.unbind(1))
+
+
+def _generate_frame_locals(model) -> dict:
+    """Arguments transformers' `generate` drops for callable custom_generate (streamer, assistant_model).
+
+    `GenerationMixin.generate` replaces the decoding method's mode kwargs by the callable's own new keys,
+    so a `streamer=` passed to generate never reaches us; read it from the calling frame instead.
+    """
+    try:
+        frame = sys._getframe(2)
+    except ValueError:
+        return {}
+    for _ in range(3):
+        if frame is None:
+            break
+        if frame.f_code.co_name == "generate" and frame.f_locals.get("self") is model:
+            return frame.f_locals
+        frame = frame.f_back
+    return {}
+
+
+def mars_generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor=None,
+    stopping_criteria=None,
+    generation_config=None,
+    synced_gpus: bool = False,
+    streamer=None,
+    mars: bool = True,
+    mars_threshold: float | None = None,
+    mars_block_size: int | None = None,
+    mars_acceptance: str | None = None,
+    mars_max_accept: int | None = None,
+    mars_cache: str | None = None,
+    mars_cache_block: int | None = None,
+    mars_verify: bool | None = None,
+    mars_use_last_mask: bool | None = None,
+    mars_streamer=None,
+    **model_kwargs,
+):
+    """The MARS decoding loop, for ``model.generate(..., custom_generate=mars_generate, mars_threshold=...)``.
+
+    transformers has already built the generation config, logits processors, stopping criteria, attention
+    mask and cache; this runs the loop. Arguments (None = generation_config.mars_* or the default):
+
+    - mars_threshold (tau, default 0.95): accept mask candidates while confidence >= tau; 1.0 = exactly greedy AR.
+    - mars_block_size (B, default config.mars['block_size'] or 4): masks appended per step; B candidates
+      (AR + B-1 masks), B+1 with mars_use_last_mask=True.
+    - mars_acceptance: "probability" (p of the chosen token), "entropy" (exp(-H) >= tau), "margin" (top1-top2).
+    - mars_max_accept: cap on tokens accepted per step.
+    - mars_cache: "sliding" (default; rows never wait), "block" (paper's block-level cache: chunks of
+      mars_cache_block positions, each inner step forwards the chunk's accepted tokens + masks for all its
+      remaining positions over a frozen prefix), "block_trained" (same chunks, but [accepted | B masks]).
+    - mars_verify: lossless self-speculative mode (mask predictions are drafts verified by the next forward).
+    - mars_streamer: a streamer (transformers drops `streamer=` for callables; `enable_mars` routes it here).
+    With mars=False this runs transformers' ordinary sampling/greedy loop.
+    """
+    caller = None
+    if streamer is None and mars_streamer is None:
+        caller = _generate_frame_locals(model)
+        streamer = caller.get("streamer")  # generate already streamed the prompt
+    if not mars:
+        streamer = streamer if streamer is not None else mars_streamer
+        if mars_streamer is not None:
+            mars_streamer.put(input_ids.cpu())
+        return GenerationMixin._sample(
+            model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+            generation_config=generation_config, synced_gpus=synced_gpus, streamer=streamer, **model_kwargs,
+        )
+    assistant = (caller or {}).get("assistant_model") if caller is not None else None
+    _check_supported(model, generation_config, model_kwargs, assistant_model=assistant)
+    opts = _resolve_options(
+        model, generation_config, mars_threshold=mars_threshold, mars_block_size=mars_block_size,
+        mars_acceptance=mars_acceptance, mars_max_accept=mars_max_accept, mars_cache=mars_cache,
+        mars_cache_block=mars_cache_block, mars_verify=mars_verify, mars_use_last_mask=mars_use_last_mask,
+    )
+    vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else None
+    if vocab is not None and opts.mask_token_id >= vocab:
+        raise ValueError(
+            f"mask_token_id {opts.mask_token_id} is outside the model's vocabulary ({vocab}); "
+            "resize the embeddings (hf_mars.add_mask_token does it)."
+        )
+    if mars_streamer is not None:
+        streamer = mars_streamer
+        streamer.put(input_ids.cpu())
+    decoder = _MARSDecoder(model, input_ids, logits_processor, stopping_criteria, generation_config, opts, streamer,
+                           model_kwargs)
+    sequences = decoder.run()
+    if streamer is not None:
+        streamer.end()
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    clean_cache = decoder.cache if decoder.cache_attn is None and decoder.prompt_attn is None else None
+    return MARSGenerateOutput(
+        sequences=sequences,
+        scores=decoder.assemble(0) if decoder.output_scores else None,
+        logits=decoder.assemble(1) if decoder.output_logits else None,
+        cache=clean_cache,
+        mars_forward_passes=decoder.forwards.clone(),
+        mars_emitted_tokens=torch.tensor(decoder.n, dtype=torch.long, device=decoder.device),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# generate() routing: enable_mars and the custom_generate entry point
+# ----------------------------------------------------------------------------------------------------------------
+
+_GENERATE_PARAMS = None
+
+
+def _bind_generate_args(model, args, kwargs) -> dict:
+    """Turn positional generate arguments into keywords (so we can add criteria / processors safely)."""
+    global _GENERATE_PARAMS
+    if not args:
+        return dict(kwargs)
+    if _GENERATE_PARAMS is None:
+        _GENERATE_PARAMS = [p for p in inspect.signature(GenerationMixin.generate).parameters
+                            if p not in ("self", "kwargs")]
+    if len(args) > len(_GENERATE_PARAMS):
+        raise TypeError(f"generate() takes at most {len(_GENERATE_PARAMS)} positional arguments")
+    bound = dict(zip(_GENERATE_PARAMS, args))
+    overlap = set(bound) & set(kwargs)
+    if overlap:
+        raise TypeError(f"generate() got multiple values for {sorted(overlap)}")
+    bound.update(kwargs)
+    return bound
+
+
+def _with_mask_suppressed(model, kwargs, mask_id):
+    """Add the mask token to `suppress_tokens` for this call (transformers then builds the processor)."""
+    existing = kwargs.get("suppress_tokens")
+    if existing is None:
+        gc = kwargs.get("generation_config") or model.generation_config
+        existing = getattr(gc, "suppress_tokens", None)
+    existing = list(existing or [])
+    if mask_id not in existing:
+        existing.append(mask_id)
+    kwargs["suppress_tokens"] = existing
+
+
+def _route_generate(model, *args, **kwargs):
+    """`generate` with MARS routing: MARS when asked (mars=True or any mars_* argument), plain otherwise."""
+    kwargs = _bind_generate_args(model, args, kwargs)
+    mars_args = {k: kwargs.pop(k) for k in list(kwargs) if k == "mars" or k.startswith("mars_")}
+    unknown = sorted(set(mars_args) - set(MARS_ARGUMENTS))
+    if unknown:
+        raise ValueError(f"Unknown MARS argument(s) {unknown}; valid ones are {list(MARS_ARGUMENTS)}.")
+    use_mars = mars_args.pop("mars", None)
+    if use_mars is None:
+        use_mars = bool(mars_args)
+    mask_id = _mask_token_id(model, required=bool(use_mars))
+    if mask_id is not None:
+        _with_mask_suppressed(model, kwargs, mask_id)
+    base_generate = type(model).generate
+    if not use_mars:
+        return base_generate(model, **kwargs)
+
+    if kwargs.get("custom_generate") is not None:
+        raise ValueError("mars=True runs its own decoding loop; it cannot be combined with custom_generate.")
+    if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
+        raise ValueError(
+            "MARS decoding cannot be combined with assisted generation (assistant_model / prompt_lookup_num_tokens): "
+            "MARS already drafts its own tokens. For lossless self-speculative decoding use mars_verify=True."
+        )
+    if (kwargs.get("num_beams") or 1) > 1:
+        raise ValueError(f"MARS decoding cannot be combined with beam search (num_beams={kwargs['num_beams']}).")
+    streamer = kwargs.pop("streamer", None)
+    if streamer is not None:
+        mars_args["mars_streamer"] = streamer
+    # transformers drops `tokenizer` for callable custom_generate, so it cannot build StopStringCriteria itself
+    gc = kwargs.get("generation_config") or model.generation_config
+    stop_strings = kwargs.get("stop_strings", getattr(gc, "stop_strings", None))
+    if stop_strings:
+        tokenizer = kwargs.get("tokenizer")
+        if tokenizer is None:
+            raise ValueError(
+                "There are stop strings, but no tokenizer: pass `tokenizer=` to generate together with `stop_strings`."
+            )
+        criteria = _sc.StoppingCriteriaList(list(kwargs.get("stopping_criteria") or []))
+        criteria.append(_sc.StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+        kwargs["stopping_criteria"] = criteria
+        kwargs["stop_strings"] = None
+    return base_generate(model, custom_generate=mars_generate, **mars_args, **kwargs)
+
+
+def generate(*args, model, **kwargs):
+    """Entry point when this file is a checkpoint's ``custom_generate/generate.py``.
+
+    transformers calls it as ``generate(*args, model=model, **kwargs)``. It is the ordinary ``generate``
+    (with the mask token suppressed) unless ``mars=True`` or a ``mars_*`` argument asks for MARS decoding.
+    """
+    return _route_generate(model, *args, **kwargs)
+
+
+def enable_mars(model):
+    """Make ``model.generate(..., mars=True, mars_threshold=0.9)`` run MARS decoding. Idempotent.
+
+    Without MARS arguments ``generate`` is unchanged except that the mask token is never emitted.
+    Returns the model.
+    """
+    current = getattr(model, "generate", None)
+    if getattr(model, "_hf_mars_enabled", False) and isinstance(current, functools.partial):
+        return model
+    model.generate = functools.partial(generate, model=model)
+    model._hf_mars_enabled = True
+    return model
+
+
+__all__ = ["mars_generate", "enable_mars", "generate", "MARSGenerateOutput", "MARS_ARGUMENTS"]

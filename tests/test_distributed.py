@@ -1,0 +1,75 @@
+"""`accelerate launch` runs MARS training across two CPU processes (examples/train_mars.py, DDP over gloo).
+
+Note: with accelerate 1.15, `accelerate launch --num_processes 2 --cpu` starts ONE process unless an MPI hostfile
+is configured (its CPU launcher is mpirun). Two CPU processes come from the torchrun-based launcher:
+`accelerate launch --multi_gpu --num_processes 2 script.py --use_cpu` (the `--use_cpu` training argument, or
+ACCELERATE_USE_CPU=1, makes the processes use CPU + gloo).
+
+One SGD step on two processes (2 examples each) must equal one step on one process (4 examples): the
+loss denominator is counted over all processes and DDP averages the gradients.
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "examples" / "train_mars.py"
+CONFIG = ROOT / "examples" / "configs" / "train_mars_tiny.yaml"
+
+
+def _overrides(model_dir, output_dir, batch_size, normalization):
+    return ["--config", str(CONFIG), "--model_name_or_path", str(model_dir), "--output_dir", str(output_dir),
+            "--tiny_dataset_size", "32", "--max_steps", "1", "--optim", "sgd", "--learning_rate", "1.0",
+            "--lr_scheduler_type", "constant", "--warmup_steps", "0", "--max_grad_norm", "0",
+            "--per_device_train_batch_size", str(batch_size), "--eval_strategy", "no", "--save_strategy", "no",
+            "--loss_normalization", normalization, "--logging_steps", "1"]
+
+
+def _load_example():
+    spec = importlib.util.spec_from_file_location("train_mars_example", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(300)
+def test_two_process_ddp_step_equals_single_process_step(tmp_path):
+    if shutil.which("accelerate") is None and importlib.util.find_spec("accelerate") is None:
+        pytest.skip("accelerate is not installed")
+    example = _load_example()
+    model_dir = tmp_path / "tiny"
+    example.build_tiny_model(str(model_dir), seed=0)
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["ACCELERATE_USE_CPU"] = "1"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+           str(SCRIPT), *_overrides(model_dir, tmp_path / "ddp", 2, "sequence"), "--use_cpu"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "world_size=2" in proc.stdout, proc.stdout[-3000:]
+    ddp_dir = tmp_path / "ddp"
+    meta = json.loads((ddp_dir / "config.json").read_text())["mars"]
+    assert meta["block_size"] == 4 and meta["mask_token"] == "<|mask|>" and meta["ar_weight"] == 1.0
+
+    # the same step in this process, one process with the whole batch of 4
+    parser = example.make_parser()
+    args = parser.parse_args_and_config(args=_overrides(model_dir, tmp_path / "single", 4, "sequence"))
+    example.main(*args)
+    ddp = load_file(str(ddp_dir / "model.safetensors"))
+    single = load_file(str(tmp_path / "single" / "model.safetensors"))
+    start = load_file(str(model_dir / "model.safetensors"))
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.allclose(single[name], start[name])
+    for key in single:
+        torch.testing.assert_close(ddp[key], single[key], atol=2e-5, rtol=1e-4)

@@ -1,0 +1,517 @@
+"""MARS decoding inside model.generate: equivalences on tiny random models.
+
+The strongest checks: tau = 1 and verify mode reproduce plain greedy token for token on a
+left-padded batch, and batched cached decoding equals a naive per-row, cache-free
+re-implementation of the spec (which exercises ragged per-row acceptance).
+"""
+
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LogitsProcessorList, Qwen2Config, Qwen2ForCausalLM
+from transformers.generation import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.logits_process import (
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+)
+from transformers.generation.streamers import BaseStreamer
+
+import hf_mars.generation as gen
+from hf_mars.generation import enable_mars, mars_generate
+
+PROMPTS = ["hello world", "a", "the quick brown fox", "xy"]
+MAX_NEW = 16
+
+
+@pytest.fixture
+def peaky(make_model):
+    """A random tiny model with a large init scale: peaked distributions, so acceptance varies per row."""
+    model, tok = make_model(seed=1, initializer_range=0.5)
+    enable_mars(model)
+    return model, tok
+
+
+@pytest.fixture
+def flat(make_model):
+    model, tok = make_model(seed=0)
+    enable_mars(model)
+    return model, tok
+
+
+def _batch(tok, prompts=PROMPTS):
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    assert (enc.attention_mask == 0).any(), "the batch must be left-padded"
+    return enc
+
+
+def _greedy(model, enc, **kw):
+    return model.generate(**enc, max_new_tokens=kw.pop("max_new_tokens", MAX_NEW), do_sample=False, **kw)
+
+
+class ForwardCounter:
+    def __init__(self, model):
+        self.count = 0
+        self.handle = model.register_forward_hook(self._hook)
+
+    def _hook(self, *args):
+        self.count += 1
+
+    def close(self):
+        self.handle.remove()
+
+
+# ------------------------------------------------------------------------------------------ equivalences
+
+
+@pytest.mark.parametrize("cache", ["sliding", "block", "block_trained"])
+@pytest.mark.parametrize("B", [1, 4, 8])
+def test_tau1_equals_greedy_left_padded(peaky, B, cache):
+    model, tok = peaky
+    enc = _batch(tok)
+    ref = _greedy(model, enc)
+    out = _greedy(model, enc, mars_threshold=1.0, mars_block_size=B, mars_cache=cache, mars_cache_block=5,
+                  return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    # one token per forward exactly
+    assert torch.equal(out.mars_forward_passes, out.mars_emitted_tokens)
+
+
+@pytest.mark.parametrize("tau,B,last", [(0.0, 4, False), (0.5, 4, False), (0.0, 2, True), (0.5, 8, False)])
+def test_verify_equals_greedy(peaky, tau, B, last):
+    model, tok = peaky
+    enc = _batch(tok)
+    ref = _greedy(model, enc, max_new_tokens=24)
+    out = _greedy(model, enc, max_new_tokens=24, mars_verify=True, mars_threshold=tau, mars_block_size=B,
+                  mars_use_last_mask=last, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    if tau == 0.0:  # drafts got accepted somewhere (otherwise the test would not exercise verification)
+        assert (out.mars_emitted_tokens > out.mars_forward_passes).any()
+
+
+def test_verify_equals_greedy_flat_model_batch1(flat):
+    model, tok = flat
+    enc = tok(["hello"], return_tensors="pt")
+    ref = _greedy(model, enc, max_new_tokens=20)
+    out = _greedy(model, enc, max_new_tokens=20, mars_verify=True, mars_threshold=0.0)
+    assert torch.equal(out, ref)
+
+
+def _naive_mars(model, ids, mask_id, B, tau, max_new, eos, cache="sliding", C=16, last=False):
+    """The spec, literally: one row, no cache, full forward over [committed | masks] per step."""
+    x, n, forwards = list(ids), 0, 0
+    K = B + 1 if last else B
+    while n < max_new:
+        m = n % C
+        nm = C - m if cache == "block" else B
+        with torch.no_grad():
+            logits = model(torch.tensor([x + [mask_id] * nm])).logits[0].float()
+        forwards += 1
+        S = 1 + min(K - 1, nm)
+        if cache != "sliding":
+            S = min(S, C - m)
+        S = min(S, max_new - n)
+        run = []
+        for s in range(S):
+            lg = logits[len(x) - 1 + s].clone()
+            lg[mask_id] = -math.inf
+            t = int(lg.argmax())
+            if s > 0 and torch.softmax(lg, -1)[t] < tau:
+                break
+            run.append(t)
+        for t in run:
+            x.append(t)
+            n += 1
+            if t in eos:
+                return x[len(ids):], forwards
+    return x[len(ids):], forwards
+
+
+@pytest.mark.parametrize(
+    "tau,B,cache,last",
+    [(0.3, 4, "sliding", False), (0.6, 2, "sliding", True), (0.3, 4, "block", True), (0.6, 4, "block", False),
+     (0.3, 4, "block_trained", False), (0.9, 2, "block_trained", True)],
+)
+def test_batched_equals_per_row_reference(peaky, tau, B, cache, last):
+    """Ragged acceptance, EOS mid-run, chunk waits: the batched cached loop equals the cache-free spec per row."""
+    model, tok = peaky
+    enc = _batch(tok)
+    out = model.generate(**enc, max_new_tokens=24, do_sample=False, mars_threshold=tau, mars_block_size=B,
+                         mars_cache=cache, mars_cache_block=6, mars_use_last_mask=last, return_dict_in_generate=True)
+    P = enc.input_ids.shape[1]
+    mask_id = model.config.mars["mask_token_id"]
+    counts = set()
+    for r, prompt in enumerate(PROMPTS):
+        ref, forwards = _naive_mars(model, tok(prompt).input_ids, mask_id, B, tau, 24, {tok.eos_token_id}, cache, 6,
+                                    last)
+        assert out.sequences[r, P:P + len(ref)].tolist() == ref
+        assert (out.sequences[r, P + len(ref):] == tok.pad_token_id).all()
+        assert int(out.mars_emitted_tokens[r]) == len(ref)
+        if cache == "sliding":
+            assert int(out.mars_forward_passes[r]) == forwards
+        counts.add((len(ref), forwards))
+    assert len(counts) > 1  # rows really went their own ways
+
+
+@pytest.mark.parametrize("last,expected", [(False, 4), (True, 5)])
+def test_tau0_tokens_per_forward(flat, last, expected):
+    model, tok = flat
+    enc = tok(["hello"], return_tensors="pt")
+    counter = ForwardCounter(model)
+    try:
+        out = model.generate(**enc, max_new_tokens=40, do_sample=False, mars_threshold=0.0, mars_block_size=4,
+                             mars_use_last_mask=last, min_new_tokens=40)
+    finally:
+        counter.close()
+    emitted = out.shape[1] - enc.input_ids.shape[1]
+    assert emitted == 40
+    assert counter.count == math.ceil(40 / expected)
+    assert emitted / counter.count >= 3
+
+
+def test_custom_generate_callable_and_scores(peaky):
+    model, tok = peaky
+    enc = _batch(tok)
+    ref = model.generate(**enc, max_new_tokens=10, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    # transformers' own route: generate(custom_generate=callable)
+    out = type(model).generate(model, **enc, max_new_tokens=10, do_sample=False, custom_generate=mars_generate,
+                               mars_threshold=1.0, suppress_tokens=[model.config.mars["mask_token_id"]],
+                               output_scores=True, return_dict_in_generate=True)
+    assert isinstance(out, gen.MARSGenerateOutput)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert len(out.scores) == len(ref.scores)
+    for t, (a, b) in enumerate(zip(out.scores, ref.scores)):
+        live = out.mars_emitted_tokens > t  # rows still decoding (AR keeps scoring finished rows)
+        torch.testing.assert_close(a[live], b[live], atol=1e-4, rtol=1e-4)
+        assert torch.isinf(a[~live]).all()
+    multi = model.generate(**enc, max_new_tokens=10, mars_threshold=0.3, output_scores=True,
+                           return_dict_in_generate=True)
+    assert len(multi.scores) == multi.sequences.shape[1] - enc.input_ids.shape[1]
+    P = enc.input_ids.shape[1]
+    for t, step_scores in enumerate(multi.scores):  # the emitted token is the argmax of its processed scores
+        live = multi.mars_emitted_tokens > t
+        assert torch.equal(step_scores.argmax(-1)[live], multi.sequences[live, P + t])
+
+
+# ------------------------------------------------------------------------------------------ stops
+
+
+def test_stops_cut_exactly(peaky):
+    model, tok = peaky
+    enc = tok(["hello world"], return_tensors="pt")
+    P = enc.input_ids.shape[1]
+    free = _greedy(model, enc, max_new_tokens=30, eos_token_id=[])[0, P:].tolist()
+    # a second EOS id: a token the free run produces at position 5
+    stop_tok = free[5]
+    first = free.index(stop_tok)
+    for kw in ({"mars_threshold": 0.0}, {"mars_threshold": 0.0, "mars_cache": "block"}, {"mars_verify": True}):
+        out = model.generate(**enc, max_new_tokens=30, do_sample=False, eos_token_id=[tok.eos_token_id, stop_tok],
+                             **kw)[0, P:].tolist()
+        assert out[-1] == stop_tok and stop_tok not in out[:-1]
+        if "mars_verify" in kw:
+            assert out == free[:first + 1]
+    # max_new_tokens: exactly that many
+    for n in (1, 3, 7):
+        out = model.generate(**enc, max_new_tokens=n, mars_threshold=0.0, eos_token_id=[])
+        assert out.shape[1] == P + n
+    # stop_strings (needs tokenizer=): output = the unstopped run cut right after the first occurrence
+    run = model.generate(**enc, max_new_tokens=30, mars_threshold=0.0, eos_token_id=[])[0, P:].tolist()
+    text = tok.decode(run)
+    stop = text[7:10]
+    out = model.generate(**enc, max_new_tokens=30, mars_threshold=0.0, stop_strings=[stop], tokenizer=tok,
+                         eos_token_id=[])
+    decoded = tok.decode(out[0, P:])
+    assert decoded == text[:text.index(stop) + len(stop)]
+
+
+class StopAfterToken(StoppingCriteria):
+    def __init__(self, token):
+        self.token = token
+        self.lengths = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.lengths.append(input_ids.shape[1])
+        return input_ids[:, -1] == self.token
+
+
+def test_custom_stopping_criteria_batched(peaky):
+    model, tok = peaky
+    enc = _batch(tok)
+    P = enc.input_ids.shape[1]
+    target = tok.convert_tokens_to_ids("e")
+    crit = StopAfterToken(target)
+    out = model.generate(**enc, max_new_tokens=30, mars_threshold=0.0, eos_token_id=[],
+                         stopping_criteria=StoppingCriteriaList([crit]), return_dict_in_generate=True)
+    for r in range(len(PROMPTS)):
+        n = int(out.mars_emitted_tokens[r])
+        row = out.sequences[r, P:P + n].tolist()
+        assert target not in row[:-1]
+        assert row[-1] == target or n == 30
+        assert (out.sequences[r, P + n:] == tok.pad_token_id).all()
+    assert any(int(n) < 30 for n in out.mars_emitted_tokens)
+
+
+# ------------------------------------------------------------------------------------------ mask token
+
+
+def test_mask_token_never_emitted(make_model):
+    model, tok = make_model(seed=0)
+    mask_id = model.config.mars["mask_token_id"]
+    with torch.no_grad():  # make the mask the model's favourite prediction
+        model.get_output_embeddings().weight[mask_id] *= 200
+    enc = tok(["hello"], return_tensors="pt")
+    plain = model.generate(**enc, max_new_tokens=8, do_sample=False)
+    assert (plain == mask_id).any(), "control: without enable_mars the model emits the mask"
+    enable_mars(model)
+    enable_mars(model)  # idempotent
+    for kw in ({}, {"mars_threshold": 0.0}, {"mars_verify": True}, {"mars_cache": "block", "mars_threshold": 0.0},
+               {"do_sample": True, "mars_threshold": 0.0}):
+        out = model.generate(**enc, max_new_tokens=8, **kw)
+        assert not (out == mask_id).any(), kw
+
+
+# ------------------------------------------------------------------------------------------ processors
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"repetition_penalty": 1.5}, {"no_repeat_ngram_size": 2}, {"min_new_tokens": 12},
+     {"bad_words_ids": [[5], [6, 7]]}],
+)
+def test_history_processors_tau1_equal_ar(peaky, kw):
+    model, tok = peaky
+    enc = _batch(tok)
+    ref = _greedy(model, enc, **kw)
+    out = _greedy(model, enc, mars_threshold=1.0, **kw)
+    assert torch.equal(out, ref)
+    out = _greedy(model, enc, mars_verify=True, mars_threshold=0.0, **kw)
+    assert torch.equal(out, ref)
+
+
+def test_processors_honoured_in_multi_token_mode(peaky):
+    model, tok = peaky
+    enc = _batch(tok)
+    P = enc.input_ids.shape[1]
+    free = model.generate(**enc, max_new_tokens=20, mars_threshold=0.0, eos_token_id=[])
+    banned = int(free[0, P + 2])
+    out = model.generate(**enc, max_new_tokens=20, mars_threshold=0.0, eos_token_id=[], bad_words_ids=[[banned]])
+    assert not (out[:, P:] == banned).any()
+    out = model.generate(**enc, max_new_tokens=20, mars_threshold=0.0, eos_token_id=[], no_repeat_ngram_size=2)
+    for row in out[:, P:].tolist():
+        grams = list(zip(row, row[1:]))
+        assert len(grams) == len(set(grams))
+
+
+# ------------------------------------------------------------------------------------------ streamer / sampling
+
+
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.flatten().tolist())
+
+    def end(self):
+        self.ended = True
+
+
+@pytest.mark.parametrize("route", ["enable_mars", "callable"])
+def test_streamer_gets_exactly_the_emitted_tokens(peaky, route):
+    model, tok = peaky
+    enc = tok(["hello world"], return_tensors="pt")
+    streamer = Collect()
+    if route == "enable_mars":
+        out = model.generate(**enc, max_new_tokens=20, mars_threshold=0.3, streamer=streamer)
+    else:  # transformers drops streamer= for callables; mars_generate recovers it
+        out = type(model).generate(model, **enc, max_new_tokens=20, custom_generate=mars_generate,
+                                   mars_threshold=0.3, streamer=streamer)
+    assert streamer.ended
+    assert streamer.chunks[0] == enc.input_ids[0].tolist()
+    streamed = [t for chunk in streamer.chunks[1:] for t in chunk]
+    assert streamed == out[0, enc.input_ids.shape[1]:].tolist()
+    assert any(len(c) > 1 for c in streamer.chunks[1:])  # whole accepted runs are pushed
+
+
+@pytest.mark.parametrize("kw", [{"mars_threshold": 0.5}, {"mars_verify": True, "mars_threshold": 0.0}])
+def test_seeded_sampling_reproducible(peaky, kw):
+    model, tok = peaky
+    enc = _batch(tok)
+    runs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        runs.append(model.generate(**enc, max_new_tokens=16, do_sample=True, temperature=0.8, top_k=20, top_p=0.95,
+                                   **kw))
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
+
+
+def _tiny_vocab_model(seed=0):
+    config = Qwen2Config(vocab_size=5, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         initializer_range=0.6, tie_word_embeddings=True, pad_token_id=0, eos_token_id=None,
+                         bos_token_id=None)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    model.config.mars = {"mask_token_id": 4, "mask_token": "<|mask|>", "block_size": 2}
+    return enable_mars(model)
+
+
+def _exact_distribution(model, prompt, steps, temperature, top_k):
+    """P(next `steps` tokens) of plain sampling, enumerated exactly with the same processor chain."""
+    chain = LogitsProcessorList([SuppressTokensLogitsProcessor([4], device="cpu"),
+                                 TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k)])
+    probs = {(): 1.0}
+    for _ in range(steps):
+        prefixes = list(probs)
+        ids = torch.tensor([prompt + list(p) for p in prefixes])
+        with torch.no_grad():
+            logits = model(ids).logits[:, -1].float()
+        nxt = torch.softmax(chain(ids, logits), -1)
+        probs = {p + (t,): probs[p] * float(nxt[i, t]) for i, p in enumerate(prefixes) for t in range(4)
+                 if nxt[i, t] > 0}
+    return probs
+
+
+def _chi2(samples, expected):
+    n = len(samples)
+    counts = {}
+    for s in samples:
+        counts[s] = counts.get(s, 0) + 1
+    stat, df, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
+    for key, p in expected.items():
+        e = p * n
+        if e < 5:
+            pooled_obs += counts.get(key, 0)
+            pooled_exp += e
+            continue
+        stat += (counts.get(key, 0) - e) ** 2 / e
+        df += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / max(pooled_exp, 1e-9)
+        df += 1
+    outside = sum(c for k, c in counts.items() if k not in expected)
+    # Wilson-Hilferty: the chi2 quantile at p ~ 1e-4
+    z = 3.72
+    limit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat, limit, outside
+
+
+def test_verify_sampling_matches_plain_sampling_distribution():
+    """Speculative-sampling acceptance keeps the AR distribution exactly; threshold mode does not (control)."""
+    model = _tiny_vocab_model()
+    prompt, steps, temperature, top_k, n = [1, 2, 3], 3, 0.9, 3, 6000
+    expected = _exact_distribution(model, prompt, steps, temperature, top_k)
+    ids = torch.tensor([prompt] * n)
+
+    def sample(**kw):
+        torch.manual_seed(1234)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=True,
+                             temperature=temperature, top_k=top_k, return_dict_in_generate=True, **kw)
+        return [tuple(row) for row in out.sequences[:, len(prompt):].tolist()], out
+
+    plain, _ = sample()
+    stat, limit, outside = _chi2(plain, expected)
+    assert outside == 0 and stat < limit, (stat, limit)
+    verified, out = sample(mars_verify=True, mars_threshold=0.0, mars_block_size=3)
+    assert (out.mars_emitted_tokens > out.mars_forward_passes).any()  # drafts were accepted
+    stat, limit, outside = _chi2(verified, expected)
+    assert outside == 0 and stat < limit, (stat, limit)
+    threshold, _ = sample(mars_threshold=0.0, mars_block_size=3)
+    stat, limit, _ = _chi2(threshold, expected)
+    assert stat > limit, "control: unverified multi-token sampling should not match AR"
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [({"mars_threshold": 1.5}, "mars_threshold"), ({"mars_threshold": -0.1}, "mars_threshold"),
+     ({"mars_block_size": 0}, "mars_block_size"), ({"mars_acceptance": "vibes"}, "mars_acceptance"),
+     ({"mars_cache": "paged"}, "mars_cache"), ({"mars_cache_block": 0}, "mars_cache_block"),
+     ({"mars_max_accept": 0}, "mars_max_accept"), ({"mars": True, "num_beams": 2}, "beam"),
+     ({"mars_verify": True, "mars_cache": "block"}, "mars_verify"), ({"mars_treshold": 0.5}, "Unknown MARS"),
+     ({"mars": True, "prompt_lookup_num_tokens": 3}, "assisted"), ({"mars": True, "use_cache": False}, "cache")],
+)
+def test_bad_arguments(flat, kw, match):
+    model, tok = flat
+    enc = tok(["hi"], return_tensors="pt")
+    with pytest.raises(ValueError, match=match):
+        model.generate(**enc, max_new_tokens=4, **kw)
+
+
+def test_model_without_mask_token(make_model):
+    model, tok = make_model(with_mask=False)
+    enable_mars(model)
+    enc = tok(["hi"], return_tensors="pt")
+    plain = model.generate(**enc, max_new_tokens=4, do_sample=False)  # plain generate is unaffected
+    assert plain.shape[1] == enc.input_ids.shape[1] + 4
+    with pytest.raises(ValueError, match="add_mask_token"):
+        model.generate(**enc, max_new_tokens=4, mars=True)
+    with pytest.raises(ValueError, match="add_mask_token"):
+        type(model).generate(model, **enc, max_new_tokens=4, custom_generate=mars_generate)
+
+
+def test_mars_false_is_plain_generate(flat):
+    model, tok = flat
+    enc = _batch(tok)
+    ref = _greedy(model, enc)
+    assert torch.equal(_greedy(model, enc, mars=False, mars_threshold=0.0), ref)
+    torch.manual_seed(3)
+    a = model.generate(**enc, max_new_tokens=8, do_sample=True)
+    torch.manual_seed(3)
+    b = model.generate(**enc, max_new_tokens=8, do_sample=True, mars=False)
+    assert torch.equal(a, b)
+
+
+def test_defaults_from_generation_config(peaky):
+    model, tok = peaky
+    enc = _batch(tok)
+    model.generation_config.mars_threshold = 1.0
+    model.generation_config.mars_block_size = 2
+    ref = _greedy(model, enc)
+    out = _greedy(model, enc, mars=True, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert torch.equal(out.mars_forward_passes, out.mars_emitted_tokens)
+
+
+# ------------------------------------------------------------------------------------------ custom_generate file
+
+
+@pytest.mark.parametrize("route", ["from_pretrained", "custom_generate_dir"])
+def test_loaded_as_custom_generate(peaky, tmp_path, route):
+    model, tok = peaky
+    model.save_pretrained(tmp_path)
+    (tmp_path / "custom_generate").mkdir()
+    shutil.copy(gen.__file__, tmp_path / "custom_generate" / "generate.py")
+    enc = _batch(tok)
+    ref = _greedy(model, enc)
+    mask_id = model.config.mars["mask_token_id"]
+    if route == "from_pretrained":
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
+        assert not hasattr(loaded, "_hf_mars_enabled")  # the file's own generate, not ours
+        call = loaded.generate
+    else:
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+
+        def call(**kw):
+            return loaded.generate(custom_generate=str(tmp_path), trust_remote_code=True, **kw)
+
+    assert torch.equal(call(**enc, max_new_tokens=MAX_NEW, do_sample=False), ref)
+    out = call(**enc, max_new_tokens=MAX_NEW, do_sample=False, mars_threshold=1.0, mars_block_size=4,
+               return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert type(out).__name__ == "MARSGenerateOutput"
+    out = call(**enc, max_new_tokens=MAX_NEW, mars_verify=True, mars_threshold=0.0)
+    assert torch.equal(out, ref)
+    with torch.no_grad():
+        loaded.get_output_embeddings().weight[mask_id] *= 200
+    assert not (call(**enc, max_new_tokens=6, do_sample=False) == mask_id).any()
+    assert not (call(**enc, max_new_tokens=6, mars_threshold=0.0) == mask_id).any()
