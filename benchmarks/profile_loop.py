@@ -20,6 +20,7 @@ import argparse
 import collections
 import cProfile
 import io
+import json
 import pstats
 import statistics
 import sys
@@ -53,6 +54,7 @@ class OpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops = collections.Counter()
+        self.op_lines = collections.Counter()
         self.syncs = collections.Counter()
         self.sites = collections.Counter()
 
@@ -60,6 +62,7 @@ class OpCounter(TorchDispatchMode):
         if not _State.in_forward:
             name = str(func)
             self.ops[name] += 1
+            self.op_lines[_site()] += 1
             is_sync = any(s in name for s in SYNC_ATEN)
             if name.startswith("aten.index.Tensor"):  # boolean-mask indexing sizes its output from the data
                 idx = args[1] if len(args) > 1 else []
@@ -80,9 +83,15 @@ class SyncCounter(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if name in SYNC_PY and not _State.in_forward:
-            self.syncs[name] += 1
-            self.sites[f"{name} @ {_site()}"] += 1
+        if not _State.in_forward:
+            if name in SYNC_PY:
+                self.syncs[name] += 1
+                self.sites[f"{name} @ {_site()}"] += 1
+            elif name in ("tensor", "as_tensor") and args and not torch.is_tensor(args[0]):
+                # a tensor built from Python data: on CUDA an H2D copy that (non_blocking=False, pageable
+                # memory) ends in cudaStreamSynchronize, i.e. a full sync like .item()
+                self.syncs["torch.tensor(host data)"] += 1
+                self.sites[f"torch.{name}(host data) @ {_site()}"] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -161,7 +170,7 @@ def run_one(model, inputs, kwargs, cprofile_n):
     return {"wall": wall, "calls": calls, "model_time": model_time, "new_tokens": new, "setup": setup,
             "teardown": teardown, "gap": statistics.median(step_gaps) if step_gaps else 0.0,
             "gap_mean": statistics.mean(step_gaps) if step_gaps else 0.0,
-            "ops": ops.ops, "syncs": ops.syncs + syncs.syncs, "sites": ops.sites + syncs.sites, "profile": prof_text,
+            "ops": ops.ops, "op_lines": ops.op_lines, "syncs": ops.syncs + syncs.syncs, "sites": ops.sites + syncs.sites, "profile": prof_text,
             "out": out}
 
 
@@ -178,6 +187,8 @@ def main(argv=None):
     p.add_argument("--cache-block", type=int, default=16)
     p.add_argument("--verify", action="store_true")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--generate-kwargs", default="{}", help='extra generate arguments as JSON, e.g. \'{"repetition_penalty": 1.1}\'')
+    p.add_argument("--op-lines", type=int, default=0, help="print the N source lines that dispatch the most ops")
     p.add_argument("--cprofile", type=int, default=0, help="print the top N functions (own time), model internals excluded")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -186,7 +197,8 @@ def main(argv=None):
     enc = tok.apply_chat_template([[{"role": "user", "content": q}] for q in prompts[: args.batch_size]],
                                   add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True)
     inputs = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
-    base = dict(do_sample=False, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True)
+    base = dict(do_sample=False, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True,
+                **json.loads(args.generate_kwargs))
     mars = dict(base, mars=True, mars_threshold=args.tau, mars_block_size=args.block_size, mars_cache=args.cache,
                 mars_verify=args.verify)
     if args.cache == "block":
@@ -210,9 +222,13 @@ def main(argv=None):
         print(f"torch ops outside forward: {n_ops / steps:.1f}/step; top: "
               + ", ".join(f"{k.replace('aten.', '')} {v / steps:.1f}" for k, v in r["ops"].most_common(12)))
         n_sync = sum(r["syncs"].values())
-        print(f"host syncs outside forward: {n_sync / steps:.1f}/step: " + ", ".join(f"{k} {v / steps:.2f}" for k, v in r["syncs"].most_common()))
+        print(f"host syncs outside forward (on CUDA; torch.tensor(host data) counts as one): {n_sync / steps:.1f}/step: " + ", ".join(f"{k} {v / steps:.2f}" for k, v in r["syncs"].most_common()))
         for site, n in r["sites"].most_common(15):
             print(f"   {n / steps:5.2f}/step  {site}")
+        if args.op_lines:
+            print("source lines dispatching the most torch ops outside the forward (per step):")
+            for site, n in r["op_lines"].most_common(args.op_lines):
+                print(f"   {n / steps:5.2f}/step  {site}")
         if r["profile"]:
             print(r["profile"])
     return 0

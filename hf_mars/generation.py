@@ -39,7 +39,6 @@ import functools
 import inspect
 import math
 import sys
-from typing import Any
 
 import torch
 from transformers import GenerationMixin
@@ -261,7 +260,20 @@ class _MARSDecoder:
         self.b, self.P = b, P
 
         # --- processors and stopping criteria (prepared by generate; reused, never rebuilt) ---
-        self.processors = logits_processor if logits_processor is not None else []
+        # SuppressTokens processors (enable_mars adds one for the mask) are folded into one in-place -inf
+        # on the raw logits: same result (they only ever write -inf), fewer ops per step
+        processors = list(logits_processor) if logits_processor is not None else []
+        suppressed = {opts.mask_token_id}
+        kept = []
+        for proc in processors:
+            if type(proc) is _lp.SuppressTokensLogitsProcessor:
+                suppressed.update(torch.as_tensor(proc.suppress_tokens).flatten().tolist())
+            else:
+                kept.append(proc)
+        self.processors = _lp.LogitsProcessorList(kept)
+        self.suppress = sorted(suppressed)
+        self.suppress_index = self.suppress[0] if len(self.suppress) == 1 else torch.tensor(
+            self.suppress, dtype=torch.long, device=self.device)
         self.history_free = all(isinstance(p, _HISTORY_FREE_PROCESSORS) for p in self.processors)
         eos_ids, max_length, other = [], None, []
         for crit in stopping_criteria if stopping_criteria is not None else []:
@@ -376,6 +388,10 @@ class _MARSDecoder:
         Lk = max(nm[r] + d[r] + 1 for r in rows)  # logits from candidate 0 (before drafts and masks) on
         uniform = len({(nm[r], d[r]) for r in rows}) == 1
         start = content_len = None
+        if b > 1:  # every per-row count this step needs, in one host->device copy
+            meta = torch.tensor([lens, [u[r] + d[r] for r in range(b)], self.cached, self.unf, self.n, nslot, active],
+                                dtype=torch.long, device=dev)
+            lens_t, content_len, cached_t, unf_t, n_t, nslot_t, active_l = meta.unbind(0)
 
         # ---- inputs: per row [uncached committed | drafts | masks], right-aligned in a (b, T) chunk
         if first:  # prefill: [prompt | masks], the same number of masks in every row
@@ -394,9 +410,6 @@ class _MARSDecoder:
             col_real = None if self.cache_attn is None else torch.ones(1, T, dtype=torch.bool, device=dev)
         else:
             T = max(lens)
-            lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
-            content_len = torch.tensor([u[r] + d[r] for r in range(b)], dtype=torch.long, device=dev)
-            cached_t = torch.tensor(self.cached, dtype=torch.long, device=dev)
             start = T - lens_t
             rel = self.arange[:T][None, :] - start[:, None]
             col_real = rel >= 0
@@ -427,7 +440,7 @@ class _MARSDecoder:
         if b == 1:
             self.forwards += 1
         else:
-            self.forwards += torch.tensor(self.unf, dtype=torch.long, device=dev)
+            self.forwards += unf_t
 
         # ---- candidate slots: slot s of row r reads column c0_r + s (c0_r: before its drafts and masks)
         if uniform:
@@ -438,16 +451,16 @@ class _MARSDecoder:
             idx = (c0[:, None] + self.arange[:S][None]).clamp(max=Lk - 1)
             slot_logits = logits.gather(1, idx[:, :, None].expand(-1, -1, logits.shape[-1]))
         slot_logits = slot_logits.to(dtype=torch.float32, copy=True)
-        slot_logits[..., opts.mask_token_id] = -math.inf  # the mask token is never emitted
+        raw_logits = slot_logits.clone() if self.output_logits else None  # output_logits: before any processing
+        slot_logits[..., self.suppress_index] = -math.inf  # the mask token is never emitted
         if b == 1:
             n0 = self.n[0]
             slot_pos = self.arange[P + n0:P + n0 + S][None]  # where slot s's token lives in `seq`
             valid = active_t = None  # the single row is active and all its slots are valid
         else:
-            n_t = torch.tensor(self.n, dtype=torch.long, device=dev)
             slot_pos = P + n_t[:, None] + self.arange[:S][None, :]
-            valid = self.arange[:S][None, :] < torch.tensor(nslot, dtype=torch.long, device=dev)[:, None]
-            active_t = torch.tensor(active, dtype=torch.bool, device=dev)
+            valid = self.arange[:S][None, :] < nslot_t[:, None]
+            active_t = active_l.bool()
         forced = forced_mask = None
         if opts.verify and max(d) > 0:
             forced_mask = self.arange[:S][None, :] < torch.tensor(d, dtype=torch.long, device=dev)[:, None]
@@ -455,8 +468,9 @@ class _MARSDecoder:
 
         scores, chosen = self._process(slot_logits, S, rows, active_t, forced, forced_mask, slot_pos)
         if opts.verify:
-            acc, newd = self._accept_verify(scores, chosen, forced, forced_mask, valid, d, slot_pos, active_t, S)
-            emitted = self.seq.gather(1, slot_pos)
+            acc, newd = self._accept_verify(scores, chosen, forced, forced_mask, valid, d, slot_pos, active_t, S,
+                                            d[rows[0]] if uniform else None)
+            emitted = self.seq[:, P + self.n[0]:P + self.n[0] + S] if b == 1 else self.seq.gather(1, slot_pos)
         else:
             acc, newd = self._accept_threshold(scores, chosen, valid), None
             emitted = chosen
@@ -472,7 +486,7 @@ class _MARSDecoder:
             stop = hit if stop is None else stop | hit
         if self.records is not None:
             self.records.append((scores if self.output_scores else None,
-                                 slot_logits if self.output_logits else None, list(self.n), acc))
+                                 raw_logits, list(self.n), acc))
 
         # ---- the one host sync of the step
         parts = [acc]
@@ -624,7 +638,7 @@ class _MARSDecoder:
         acc = 1 + ok.long().cumprod(1).sum(1)
         return acc if valid is None else acc * valid[:, 0]
 
-    def _accept_verify(self, scores, chosen, forced, forced_mask, valid, d, slot_pos, active_t, S):
+    def _accept_verify(self, scores, chosen, forced, forced_mask, valid, d, slot_pos, active_t, S, d_uniform):
         """Accept the longest prefix of drafts AR agrees with, plus one AR token; propose new drafts.
 
         Greedy: a draft is accepted when it equals the AR argmax. Sampling: speculative-sampling acceptance
@@ -665,19 +679,29 @@ class _MARSDecoder:
         acc = k + 1 if active_t is None else (k + 1) * active_t
         # new drafts: the mask slots after the AR token, kept only where every pending draft was accepted
         if self.Kd > 0 and S > Dm + 1:
-            d_t = torch.tensor(d, dtype=torch.long, device=dev)
-            first_mask = d_t + 1
-            idx_raw = first_mask[:, None] + self.arange[:self.Kd][None]
-            idx = idx_raw.clamp(max=S - 1)
-            in_range = idx_raw < S
-            if valid is not None:
-                in_range &= valid.gather(1, idx)
-            mprobs = probs if probs is not None else torch.softmax(scores, dim=-1)
-            mprobs = mprobs.gather(1, idx[:, :, None].expand(-1, -1, mprobs.shape[-1]))
+            if d_uniform is not None:  # every active row has its mask slots at the same place: slice
+                lo = d_uniform + 1
+                mscores = scores[:, lo:lo + self.Kd]
+                mprobs = probs[:, lo:lo + self.Kd] if probs is not None else torch.softmax(mscores, dim=-1)
+                in_range = None if valid is None else valid[:, lo:lo + self.Kd]
+                mtok = chosen[:, lo:lo + self.Kd]
+            else:
+                d_t = torch.tensor(d, dtype=torch.long, device=dev)
+                idx_raw = (d_t + 1)[:, None] + self.arange[:self.Kd][None]
+                idx = idx_raw.clamp(max=S - 1)
+                in_range = idx_raw < S
+                if valid is not None:
+                    in_range &= valid.gather(1, idx)
+                mprobs = probs if probs is not None else torch.softmax(scores, dim=-1)
+                mprobs = mprobs.gather(1, idx[:, :, None].expand(-1, -1, mprobs.shape[-1]))
+                mtok = chosen.gather(1, idx)
             # truncation looks at the draft distribution only (not the drawn token), so it cannot bias sampling
-            conf = self._confidence(None, chosen.gather(1, idx), probs=mprobs, of_distribution=True)
-            ok = (conf >= self.opts.tau) & in_range
-            newd = torch.where(k == d_t, ok.long().cumprod(1).sum(1), 0)
+            ok = self._confidence(None, mtok, probs=mprobs, of_distribution=True) >= self.opts.tau
+            if in_range is not None:
+                ok &= in_range
+            newd = ok.long().cumprod(1).sum(1)
+            if Dm > 0:  # drafts only where every pending draft was accepted
+                newd = torch.where(k == torch.tensor(d, dtype=torch.long, device=dev), newd, 0)
             if self.do_sample:
                 self.q_drafts = mprobs
         else:

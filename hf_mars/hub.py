@@ -19,7 +19,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -32,10 +31,11 @@ REPO_ID_PLACEHOLDER = "path/to/this/checkpoint"
 DEFAULT_COMMIT_MESSAGE = "Upload MARS checkpoint"
 # Floors for custom_generate/requirements.txt when hf-mars' own metadata is not available.
 _FALLBACK_FLOORS = {"transformers": "transformers>=5.0", "torch": "torch>=2.4"}
-# Never committed: pickled files and trainer state (optimizer, scheduler, RNG, DeepSpeed shards), caches.
+# Never committed: pickled files, trainer state (optimizer, scheduler, RNG, DeepSpeed shards), the
+# intermediate checkpoint-N/ folders of a training output_dir (as Trainer.push_to_hub), caches.
 PUSH_IGNORE_PATTERNS = [
     "*.bin", "*.pt", "*.pth", "*.pkl", "*.pickle", "*.ckpt", "*.npy", "*.npz",
-    "optimizer*", "scheduler*", "rng_state*", "trainer_state.json", "global_step*", "latest",
+    "optimizer*", "scheduler*", "rng_state*", "trainer_state.json", "global_step*", "latest", "checkpoint-*",
     "*__pycache__*", "*.pyc", "*.ipynb_checkpoints*", ".DS_Store",
 ]
 CARD_FIELDS = (
@@ -137,8 +137,10 @@ def check_checkpoint(directory, for_push: bool = False) -> dict:
         if not any(n.endswith(".safetensors") for n in names):
             pickled = [n for n in names if n.endswith((".bin", ".pt", ".pth"))]
             raise ValueError(
-                f"{directory} holds no safetensors weights{' (only pickled ' + ', '.join(pickled) + ')' if pickled else ''}. "
-                "Load the model and re-save it with `model.save_pretrained(directory)` (transformers writes safetensors)."
+                f"{directory} holds no safetensors weights"
+                + (f" (only pickled {', '.join(pickled)})" if pickled else "")
+                + ". Load the model and re-save it with `model.save_pretrained(directory)` (transformers writes "
+                "safetensors)."
             )
         missing = [n for n in (f"{CUSTOM_GENERATE_DIR}/generate.py", "README.md", "generation_config.json")
                    if not (directory / n).is_file()]
@@ -148,6 +150,11 @@ def check_checkpoint(directory, for_push: bool = False) -> dict:
                 f"`python -c \"from hf_mars.hub import write_mars_extras; write_mars_extras('{directory}')\"` "
                 "or save the model with `hf_mars.save_for_hub(model, tokenizer, directory)`."
             )
+        generate_py = directory / CUSTOM_GENERATE_DIR / "generate.py"
+        try:
+            _check_standalone(generate_py.read_text(encoding="utf-8"), generate_py)
+        except RuntimeError as e:
+            raise ValueError(f"{e} Rewrite it with `hf_mars.hub.write_mars_extras('{directory}')`.") from None
     return mars
 
 
@@ -392,7 +399,8 @@ def _benchmark_table(report) -> dict:
     if isinstance(report.get("ar"), dict):
         r = report["ar"]
         rows.append({"name": "this model, plain AR decoding", "threshold": "–", "accuracy": acc(r.get("accuracy")),
-                     "tokens_per_forward": num(r.get("tokens_per_forward", 1.0)), "speedup": num(r.get("speedup_vs_ar", 1.0), "×")})
+                     "tokens_per_forward": num(r.get("tokens_per_forward", 1.0)),
+                     "speedup": num(r.get("speedup_vs_ar", 1.0), "×")})
     for e in sorted(entries, key=lambda e: -float(e["threshold"])):
         rows.append({"name": "MARS" + (" (one-token mode)" if float(e["threshold"]) >= 1.0 else ""),
                      "threshold": _fmt(float(e["threshold"])), "accuracy": acc(e.get("accuracy")),
@@ -520,7 +528,8 @@ def build_model_card(directory, mars: dict, config_dict: dict, threshold: float,
     )
     parsed = ModelCard(str(card), ignore_metadata_errors=False)  # round trip: YAML header parses and validates
     data = parsed.data
-    if data.library_name != "transformers" or data.pipeline_tag != "text-generation" or not set(CARD_TAGS) <= set(data.tags or []):
+    if (data.library_name != "transformers" or data.pipeline_tag != "text-generation"
+            or not set(CARD_TAGS) <= set(data.tags or [])):
         raise RuntimeError("The rendered MARS model card lost its metadata; the template is broken.")
     return parsed
 
@@ -537,6 +546,10 @@ def write_mars_extras(save_directory, model=None, tokenizer=None, training_args=
     ``mars_block_size`` set the generation defaults.
     """
     directory = Path(save_directory)
+    unknown = set(card_fields) - set(CARD_FIELDS)
+    if unknown:
+        raise ValueError(f"Unknown model-card field(s) {sorted(unknown)}; accepted: {', '.join(CARD_FIELDS)}.")
+    _check_defaults(card_fields.get("mars_threshold"), card_fields.get("mars_block_size"))
     if not directory.is_dir():
         raise ValueError(f"{directory} does not exist; save the model there first (save_pretrained).")
     if (directory / "config.json").is_file():
@@ -558,9 +571,6 @@ def write_mars_extras(save_directory, model=None, tokenizer=None, training_args=
             )
         if not _has_tokenizer(directory):
             processor.save_pretrained(directory)
-    unknown = set(card_fields) - set(CARD_FIELDS)
-    if unknown:
-        raise ValueError(f"Unknown model-card field(s) {sorted(unknown)}; accepted: {', '.join(CARD_FIELDS)}.")
 
     threshold, block_size = write_generation_defaults(
         directory, mars, model=model, config_dict=config_dict,
@@ -585,7 +595,8 @@ def save_for_hub(model, tokenizer, save_directory, training_args=None, **card_fi
     if not mars or not isinstance(mars.get("mask_token_id"), int):
         raise _not_mars("This model", "`model.config.mars` has no `mask_token_id`")
     mask = mars.get("mask_token")
-    if tokenizer is None or getattr(tokenizer, "mask_token", None) is None or tokenizer.convert_tokens_to_ids(mask) != mars["mask_token_id"]:
+    if (tokenizer is None or getattr(tokenizer, "mask_token", None) is None
+            or tokenizer.convert_tokens_to_ids(mask) != mars["mask_token_id"]):
         raise ValueError(
             f"The tokenizer has no mask token {mask!r} with id {mars['mask_token_id']} (config.mars): pass the "
             "tokenizer that `hf_mars.add_mask_token(model, tokenizer)` changed."
@@ -727,7 +738,8 @@ def run(args) -> int:
         print(f"hf-mars push: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ValueError) else 1
     if args.dry_run:
-        target = args.repo_id + (f"@{args.revision}" if args.revision else "") + (" (as a pull request)" if args.create_pr else "")
+        target = (args.repo_id + (f"@{args.revision}" if args.revision else "")
+                  + (" (as a pull request)" if args.create_pr else ""))
         print(f"Dry run: would commit {len(result)} files to {target}:", file=sys.stderr)
         for rel in result:
             print(rel)

@@ -203,19 +203,21 @@ def _has_trainable_token(dataset) -> bool:
     """True when some example has a trained label after its first token (position 0 is never a target)."""
     from datasets import IterableDataset
 
-    columns = dataset.column_names or []
-    key = "labels" if "labels" in columns else "input_ids"
+    def trainable(example):
+        labels = example["labels"] if "labels" in example else example["input_ids"]
+        return any(label != -100 for label in list(labels)[1:])
+
     if isinstance(dataset, IterableDataset):
         for i, example in enumerate(dataset):
-            if any(label != -100 for label in list(example[key])[1:]):
+            if trainable(example):
                 return True
             if i >= 1000:  # an iterable dataset is not scanned in full; assume the rest is like its start
                 return True
         return False
+    key = "labels" if "labels" in (dataset.column_names or []) else "input_ids"
     for batch in dataset.select_columns([key]).iter(batch_size=1000):
-        for labels in batch[key]:
-            if any(label != -100 for label in list(labels)[1:]):
-                return True
+        if any(trainable({key: labels}) for labels in batch[key]):
+            return True
     return False
 
 
@@ -286,7 +288,9 @@ class MARSTrainer(SFTTrainer):
                 "the end-of-turn token of your chat template) or pass `MARSConfig(eos_token=...)`."
             )
         if train_dataset is not None:
-            sample = next(iter(train_dataset))
+            sample = next(iter(train_dataset), None)
+            if sample is None:
+                raise ValueError("The training dataset is empty: MARS needs examples with trainable tokens.")
             if "image" in sample or "images" in sample:
                 raise ValueError("MARSTrainer supports text datasets only (no image/images columns).")
 
@@ -365,22 +369,27 @@ class MARSTrainer(SFTTrainer):
         labels = labels.masked_fill(is_start | ~valid, -100)
         return position_ids, valid, seq, labels
 
-    def _count_sequences(self, inputs) -> torch.Tensor:
+    def _count_items(self, inputs) -> int:
+        """Local denominator of the chosen normalisation: target tokens ("token") or sequences with one ("sequence")."""
         _, _, seq, labels = self._batch_layout(inputs)
         targets = torch.zeros_like(labels, dtype=torch.bool)
         targets[:, :-1] = (labels[:, 1:] != -100) & (seq[:, 1:] == seq[:, :-1])
+        if self.args.loss_normalization == "token":
+            return int(targets.sum())
         gseq = seq + torch.arange(seq.size(0), device=seq.device)[:, None] * seq.size(1)
         return torch.unique(gseq[targets]).numel()
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
         """What the chosen normalisation divides by, over the whole accumulated (and all-process) batch.
 
-        "token": trained target tokens (the Trainer's own count). "sequence": sequences with a target.
+        Counted exactly as `compute_loss` counts (targets after the AR shift, sequence starts excluded), wherever
+        Trainer would pass a count at all (it then stops dividing the loss by the accumulation steps itself).
         """
-        num_items = super()._get_num_items_in_batch(batch_samples, device)
-        if num_items is None or self.args.loss_normalization == "token":
-            return num_items
-        count = torch.tensor(sum(self._count_sequences(b) for b in batch_samples), device=device)
+        # Trainer's own condition for counting (without its extra all-process gather)
+        if not (batch_samples and "labels" in batch_samples[0]
+                and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)):
+            return None
+        count = torch.tensor(sum(self._count_items(b) for b in batch_samples), device=device)
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
             count = self.accelerator.gather(count).sum()
         return count / (self.get_tp_size() * self.get_cp_size() * self.get_sp_size())
@@ -528,6 +537,27 @@ class MARSTrainer(SFTTrainer):
             hub.write_mars_extras(output_dir, model=model, tokenizer=self.processing_class, training_args=self.args)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def push_to_hub(self, *args, **kwargs):
+        """Trainer.push_to_hub, keeping the MARS model card (Trainer writes TRL's card right before uploading)."""
+        self._mars_pushing = True
+        try:
+            return super().push_to_hub(*args, **kwargs)
+        finally:
+            self._mars_pushing = False
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None, **kwargs):
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        # during push_to_hub, output_dir was just saved by save_model: put the MARS card (and extras) back
+        if getattr(self, "_mars_pushing", False) and self.is_world_process_zero():
+            from . import hub
+
+            fields = {"model_name": model_name} if model_name else {}
+            if dataset_name:
+                fields["datasets"] = [dataset_name] if isinstance(dataset_name, str) else list(dataset_name)
+            hub.write_mars_extras(self.args.output_dir, model=self.accelerator.unwrap_model(self.model),
+                                  tokenizer=self.processing_class, training_args=self.args, **fields)
 
     def _ensure_config_metadata(self, output_dir: str, model) -> None:
         import json

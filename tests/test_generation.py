@@ -515,3 +515,50 @@ def test_loaded_as_custom_generate(peaky, tmp_path, route):
         loaded.get_output_embeddings().weight[mask_id] *= 200
     assert not (call(**enc, max_new_tokens=6, do_sample=False) == mask_id).any()
     assert not (call(**enc, max_new_tokens=6, mars_threshold=0.0) == mask_id).any()
+
+
+# ------------------------------------------------------------------------------------------ options
+
+
+@pytest.mark.parametrize("acceptance", ["entropy", "margin"])
+def test_acceptance_modes(peaky, acceptance):
+    model, tok = peaky
+    enc = _batch(tok)
+    ref = _greedy(model, enc)
+    assert torch.equal(_greedy(model, enc, mars_threshold=1.0, mars_acceptance=acceptance), ref)
+    out = _greedy(model, enc, mars_threshold=0.0, mars_acceptance=acceptance, eos_token_id=[],
+                  return_dict_in_generate=True)
+    assert torch.equal(out.mars_forward_passes, torch.full_like(out.mars_forward_passes, math.ceil(MAX_NEW / 4)))
+    mid = _greedy(model, enc, mars_threshold=0.5, mars_acceptance=acceptance, eos_token_id=[],
+                  return_dict_in_generate=True)
+    assert (mid.mars_forward_passes >= out.mars_forward_passes).all()
+
+
+@pytest.mark.parametrize("kw", [{"mars_threshold": 0.0}, {"mars_verify": True, "mars_threshold": 0.0},
+                                {"mars_threshold": 0.0, "mars_cache": "block"}])
+def test_max_accept_caps_tokens_per_step(flat, kw):
+    model, tok = flat
+    enc = tok(["hello"], return_tensors="pt")
+    counter = ForwardCounter(model)
+    try:
+        out = model.generate(**enc, max_new_tokens=20, eos_token_id=[], mars_block_size=8, mars_max_accept=2,
+                             return_dict_in_generate=True, **kw)
+    finally:
+        counter.close()
+    assert int(out.mars_emitted_tokens[0]) == 20
+    assert counter.count >= 10
+
+
+def test_batched_streamer_and_logits(peaky):
+    model, tok = peaky
+    enc = _batch(tok)
+    P = enc.input_ids.shape[1]
+    streamer = Collect()
+    out = model.generate(**enc, max_new_tokens=12, mars_threshold=0.3, streamer=streamer, output_logits=True,
+                         return_dict_in_generate=True)
+    assert streamer.ended
+    assert len(out.logits) == out.sequences.shape[1] - P
+    for t, raw in enumerate(out.logits):
+        live = out.mars_emitted_tokens > t
+        assert raw.shape == (len(PROMPTS), model.config.vocab_size)
+        assert torch.isfinite(raw[live]).all()

@@ -44,12 +44,14 @@ def _tiny_mars(seed=0):
 
 
 def install_in_hf_cache(src: Path, hub_cache: Path, repo_id: str, commit: str = "c0ffee" * 6 + "abcd") -> Path:
-    """Lay ``src`` out as huggingface_hub's cache holds a downloaded model repo (blobs, snapshot symlinks, refs)."""
+    """Lay ``src`` out as huggingface_hub's cache holds a downloaded model repo (blobs, snapshot symlinks, refs).
+
+    Only the files `hf-mars push` would commit are installed, so loading also proves that set complete.
+    """
     repo_dir = hub_cache / ("models--" + repo_id.replace("/", "--"))
     snapshot = repo_dir / "snapshots" / commit
-    for f in sorted(src.rglob("*")):
-        if not f.is_file():
-            continue
+    for rel in hub.upload_file_list(src):
+        f = src / rel
         blob = repo_dir / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
         blob.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(f, blob)
@@ -69,6 +71,23 @@ def saved(tmp_path_factory):
     save_for_hub(model, tok, folder, base_model="Qwen/Qwen2.5-0.5B-Instruct", datasets=["openai/gsm8k"],
                  license="apache-2.0", benchmark=REPORT)
     return model, tok, folder
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(model, tokenizer, output_dir) of a 2-step MARSTrainer run saving checkpoint-1, checkpoint-2 and save_model."""
+    from hf_mars import MARSConfig, MARSTrainer
+    from hf_mars.data import make_dataset
+
+    tok = build_char_tokenizer()
+    model = tiny_qwen2(tok, hidden_size=32)
+    out = tmp_path_factory.mktemp("run") / "tiny-mars-run"
+    args = MARSConfig(output_dir=str(out), max_steps=2, save_steps=1, per_device_train_batch_size=4, report_to="none",
+                      learning_rate=1e-3, use_cpu=True, max_length=128, block_size=BLOCK, disable_tqdm=True)
+    trainer = MARSTrainer(model=model, args=args, train_dataset=make_dataset(8), processing_class=tok)
+    trainer.train()
+    trainer.save_model(str(out))
+    return trainer.model.eval(), tok, out
 
 
 # --------------------------------------------------------------------------- checkpoint contents
@@ -225,6 +244,10 @@ def test_push_rejects_non_mars_folders(saved, tmp_path):
     shutil.rmtree(bare / "custom_generate")
     with pytest.raises(ValueError, match="write_mars_extras"):
         hub.push_to_hub(bare, REPO_ID, dry_run=True)
+    (bare / "custom_generate").mkdir()
+    (bare / "custom_generate/generate.py").write_text("import hf_mars\ndef generate(*a, model, **k): pass\n")
+    with pytest.raises(ValueError, match="may import only torch"):
+        hub.push_to_hub(bare, REPO_ID, dry_run=True)
     with pytest.raises(ValueError, match="not a directory"):
         hub.push_to_hub(tmp_path / "missing", REPO_ID, dry_run=True)
 
@@ -259,7 +282,8 @@ def _with_training_junk(folder: Path, tmp_path: Path) -> Path:
     ckpt = tmp_path / "checkpoint-5"
     shutil.copytree(folder, ckpt)
     for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin", "trainer_state.json",
-                 "custom_generate/__pycache__/generate.cpython-311.pyc", ".git/config", "global_step5/mp_rank_00.pt"):
+                 "custom_generate/__pycache__/generate.cpython-311.pyc", ".git/config", "global_step5/mp_rank_00.pt",
+                 "checkpoint-3/model.safetensors", "checkpoint-3/config.json"):
         (ckpt / name).parent.mkdir(parents=True, exist_ok=True)
         (ckpt / name).write_bytes(b"x")
     return ckpt
@@ -402,10 +426,16 @@ LOADER = textwrap.dedent(r'''
 ''')
 
 
+@pytest.fixture(scope="module", params=["save_for_hub", "MARSTrainer.save_model"])
+def source(request):
+    """(model, tokenizer, folder): a checkpoint written by save_for_hub, or by MARSTrainer.save_model."""
+    return request.getfixturevalue("saved" if request.param == "save_for_hub" else "trained")
+
+
 @pytest.fixture(scope="module")
-def loaded(saved, tmp_path_factory):
-    """Run LOADER once in a fresh interpreter: offline HF cache, repo id, hf_mars unimportable."""
-    _, _, folder = saved
+def loaded(source, tmp_path_factory):
+    """Run LOADER once per source in a fresh interpreter: offline HF cache, repo id, hf_mars unimportable."""
+    _, _, folder = source
     home = tmp_path_factory.mktemp("hf_home")
     install_in_hf_cache(folder, home / "hub", REPO_ID)
     script = home / "loader.py"
@@ -413,7 +443,7 @@ def loaded(saved, tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_", "PYTHONPATH"))}
     env.update(HF_HOME=str(home), HF_HUB_CACHE=str(home / "hub"), HF_MODULES_CACHE=str(home / "modules"),
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    _, tok, _ = saved
+    _, tok, _ = source
     enc = {"prompts": PROMPTS, "batch": dict(tok(PROMPTS, padding=True)), "single": dict(tok(PROMPTS[:1]))}
     proc = subprocess.run([sys.executable, str(script), REPO_ID, json.dumps(enc), "24"], cwd=home, env=env,
                           capture_output=True, text=True, timeout=300)
@@ -429,10 +459,10 @@ def test_loaded_without_hf_mars(loaded):
     assert loaded["defaults"] == [hub.DEFAULT_THRESHOLD, BLOCK]
 
 
-def test_loaded_tau1_equals_greedy(loaded, saved):
+def test_loaded_tau1_equals_greedy(loaded, source):
     assert loaded["mars_tau1"] == loaded["greedy"]
     # and the greedy reference is the original model's greedy output
-    model, tok, _ = saved
+    model, tok, _ = source
     batch = tok(PROMPTS, return_tensors="pt", padding=True)
     assert model.generate(**batch, max_new_tokens=24, do_sample=False).tolist() == loaded["greedy"]
 
@@ -442,9 +472,9 @@ def test_loaded_tau1_equals_greedy(loaded, saved):
     "MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), which swaps the tiny char tokenizer's pre-tokenizer for a "
     "byte-level one, so spaces vanish. Fixed when hf_mars.tiny builds a byte-level BPE without merges; then "
     "remove this marker."))
-def test_loaded_tokenizer_matches(loaded, saved):
+def test_loaded_tokenizer_matches(loaded, source):
     """AutoTokenizer on the repo id encodes as the tokenizer the model was trained with."""
-    _, tok, _ = saved
+    _, tok, _ = source
     assert loaded["mask_token_id"] == tok.mask_token_id
     assert loaded["tokenizer_ids"] == tok(PROMPTS, padding=True)["input_ids"]
 
@@ -469,24 +499,14 @@ def test_pipeline_with_mars_args(loaded):
 # --------------------------------------------------------------------------- MARSTrainer checkpoints
 
 
-def test_trainer_checkpoints_are_hub_ready(tmp_path, monkeypatch):
+def test_trainer_checkpoints_are_hub_ready(trained, tmp_path, monkeypatch):
     """Every folder MARSTrainer saves (checkpoint-N and save_model) is a complete MARS Hub checkpoint."""
     # trust_remote_code copies custom_generate/ into HF_MODULES_CACHE: keep it out of the user's cache
     monkeypatch.setattr("transformers.dynamic_module_utils.HF_MODULES_CACHE", str(tmp_path / "modules"))
     from huggingface_hub import ModelCard
     from transformers import AutoModelForCausalLM
 
-    from hf_mars import MARSConfig, MARSTrainer
-    from hf_mars.data import make_dataset
-
-    tok = build_char_tokenizer()
-    model = tiny_qwen2(tok, hidden_size=32)
-    out = tmp_path / "run"
-    args = MARSConfig(output_dir=str(out), max_steps=2, save_steps=1, per_device_train_batch_size=4, report_to="none",
-                      learning_rate=1e-3, use_cpu=True, max_length=128, block_size=BLOCK, disable_tqdm=True)
-    trainer = MARSTrainer(model=model, args=args, train_dataset=make_dataset(8), processing_class=tok)
-    trainer.train()
-    trainer.save_model(str(out))
+    _, tok, out = trained
     for folder in (out / "checkpoint-1", out / "checkpoint-2", out):
         mars = hub.check_checkpoint(folder, for_push=True)
         assert mars["block_size"] == BLOCK and mars["mask_token_id"] == tok.mask_token_id
@@ -496,7 +516,7 @@ def test_trainer_checkpoints_are_hub_ready(tmp_path, monkeypatch):
         assert "| learning rate | 0.001 |" in card.text and "| max steps | 2 |" in card.text
         files = hub.push_to_hub(folder, REPO_ID, dry_run=True)
         assert "model.safetensors" in files and not [f for f in files if f.endswith((".bin", ".pt", ".pth"))]
-        assert "trainer_state.json" not in files
+        assert "trainer_state.json" not in files and not [f for f in files if f.startswith("checkpoint-")]
 
     loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     assert loaded.generate.func.__module__.startswith("transformers_modules.")
@@ -507,17 +527,21 @@ def test_trainer_checkpoints_are_hub_ready(tmp_path, monkeypatch):
                                                mars_threshold=1.0), greedy)
 
 
-def test_card_usage_snippets_are_valid_python(saved, tmp_path):
-    """The usage code in the card compiles, whatever the example prompt holds."""
+def test_card_usage_snippets_run(saved, tmp_path, monkeypatch):
+    """The card's usage code is valid Python whatever the prompt holds, and its MARS snippets run as written."""
     import ast
     import re
 
+    monkeypatch.setattr("transformers.dynamic_module_utils.HF_MODULES_CACHE", str(tmp_path / "modules"))
     model, tok, _ = saved
     folder = save_for_hub(model, tok, tmp_path / "c", repo_id=REPO_ID, example_prompt='Say "hi"\nthen {stop}')
     text = (folder / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) >= 3
+    assert len(blocks) == 4
     for block in blocks:
         ast.parse(block)
-    assert f'from_pretrained("{REPO_ID}", trust_remote_code=True)' in text and hub.REPO_ID_PLACEHOLDER not in text
-    assert "'Say \"hi\"\\nthen {stop}'" not in text and '"Say \\"hi\\"\\nthen {stop}"' in text
+    assert f'repo = "{REPO_ID}"' in text and hub.REPO_ID_PLACEHOLDER not in text
+    assert '"content": "Say \\"hi\\"\\nthen {stop}"' in text
+    for block in blocks[:2]:  # trust_remote_code generate, then the pipeline (the local folder stands in for the repo)
+        code = block.replace(f'"{REPO_ID}"', repr(str(folder))).replace("max_new_tokens=256", "max_new_tokens=8")
+        exec(compile(code, "README.md", "exec"), {})

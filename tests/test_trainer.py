@@ -191,6 +191,9 @@ def test_bad_inputs_raise_before_training(tmp_path):
     with pytest.raises(ValueError, match="no trainable token"):
         make_trainer(tmp_path, dataset=no_labels)  # TRL drops fully-masked rows: nothing left
 
+    with pytest.raises(ValueError, match="empty"):
+        make_trainer(tmp_path, dataset=Dataset.from_list([{"text": "x"}]).select([]))
+
     tok_no_eos = build_char_tokenizer()
     tok_no_eos.eos_token = None
     assert tok_no_eos.eos_token is None
@@ -271,3 +274,16 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=1e-5)
+
+
+def test_model_card_survives_push_card_step(tmp_path):
+    """push_to_hub writes TRL's card after save_model; MARSTrainer puts the MARS card back before the upload."""
+    trainer = make_trainer(tmp_path, max_steps=1)
+    trainer.train()
+    trainer.save_model()
+    out = tmp_path / "out"
+    assert (out / "custom_generate" / "generate.py").is_file()
+    trainer._mars_pushing = True  # what push_to_hub sets around Trainer.push_to_hub (which then uploads)
+    trainer.create_model_card(model_name="tiny-mars", dataset_name="local/words")
+    card = (out / "README.md").read_text()
+    assert "MARS" in card and "<|mask|>" in card
