@@ -76,7 +76,7 @@ def main(argv=None):
         res = result["shapes"][shape] = {"params": sum(q.numel() for q in model.parameters()), "batches": {}}
         for b in args.batch_sizes:
             entry = res["batches"][str(b)] = {}
-            costs = measure_step_costs(model, b, widths, args.past, repeats=20, block_size=B)
+            costs = measure_step_costs(model, b, widths, args.past, repeats=20, block_size=B, statistic="median")
             entry["cost_ms"] = {str(w): 1e3 * t for w, t in costs.items()}
             g = torch.Generator().manual_seed(0)
             ids = torch.randint(10, 1000, (b, args.prompt_len), generator=g).cuda()

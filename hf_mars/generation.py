@@ -42,6 +42,7 @@ import sys
 
 import torch
 from transformers import GenerationMixin
+from transformers.cache_utils import DynamicLayer
 from transformers.generation import logits_process as _lp
 from transformers.generation import stopping_criteria as _sc
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -226,11 +227,17 @@ def _check_supported(model, generation_config, model_kwargs, assistant_model=Non
     if generation_config.prefill_chunk_size is not None:
         raise ValueError("prefill_chunk_size is not supported by MARS decoding.")
     cache = model_kwargs.get("cache")
-    if cache is not None and not getattr(cache, "is_croppable", False):
-        raise ValueError(
-            f"MARS decoding crops the KV cache after every step, which {type(cache).__name__} does not support. "
-            "Use the default dynamic cache (do not set cache_implementation)."
-        )
+    if cache is not None:
+        # cropping must restore the cache exactly, and padded chunks grow it past max_length: plain dynamic
+        # full-attention layers only (no static, sliding-window, quantized or linear-attention layers)
+        layers = getattr(cache, "layers", None) or []
+        odd = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
+        if odd or not getattr(cache, "is_croppable", False):
+            raise ValueError(
+                f"MARS decoding crops the KV cache after every step; {type(cache).__name__} "
+                f"({', '.join(odd) or 'not croppable'}) does not support that. Use the default dynamic cache "
+                "(do not set cache_implementation) on a model without sliding-window or linear-attention layers."
+            )
     for key, value in model_kwargs.items():
         if key in ("cache", "attention_mask", "position_ids", "use_cache", "logits_to_keep", "inputs_embeds"):
             continue

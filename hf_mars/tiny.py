@@ -26,23 +26,41 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable-unicode map (what a ByteLevel pre-tokenizer emits: ' ' -> 'Ġ', '\\n' -> 'Ċ')."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
 def build_char_tokenizer(extra_chars: str = ""):
     """A character-level `PreTrainedTokenizerFast` with a ChatML chat template.
 
-    pad = bos = ``<|endoftext|>``, eos = ``<|im_end|>`` (the end of an assistant turn).
+    pad = ``<|endoftext|>``, eos = ``<|im_end|>`` (the end of an assistant turn), no bos.
     No mask token: `hf_mars.add_mask_token` adds it, as it would to a real model.
+
+    It is written as a byte-level BPE without merges (one token per ASCII character) because
+    transformers reloads the tokenizer of a ``qwen2`` checkpoint as ``Qwen2Tokenizer``, whose
+    byte-level pre-tokenizer would drop the spaces of a plain character vocabulary.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
+    byte_to_unicode = _bytes_to_unicode()
     chars = sorted(set(string.printable) - set("\x0b\x0c\r") | set(extra_chars))
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     vocab["<unk>"] = len(vocab)
     for ch in chars:
-        vocab.setdefault(ch, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+        for byte in ch.encode("utf-8"):
+            vocab.setdefault(byte_to_unicode[byte], len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",

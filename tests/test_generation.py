@@ -438,7 +438,8 @@ def test_verify_sampling_matches_plain_sampling_distribution():
      ({"mars_cache": "paged"}, "mars_cache"), ({"mars_cache_block": 0}, "mars_cache_block"),
      ({"mars_max_accept": 0}, "mars_max_accept"), ({"mars": True, "num_beams": 2}, "beam"),
      ({"mars_verify": True, "mars_cache": "block"}, "mars_verify"), ({"mars_treshold": 0.5}, "Unknown MARS"),
-     ({"mars": True, "prompt_lookup_num_tokens": 3}, "assisted"), ({"mars": True, "use_cache": False}, "cache")],
+     ({"mars": True, "prompt_lookup_num_tokens": 3}, "assisted"), ({"mars": True, "use_cache": False}, "cache"),
+     ({"mars": True, "cache_implementation": "static"}, "dynamic cache")],
 )
 def test_bad_arguments(flat, kw, match):
     model, tok = flat

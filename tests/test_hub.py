@@ -467,11 +467,6 @@ def test_loaded_tau1_equals_greedy(loaded, source):
     assert model.generate(**batch, max_new_tokens=24, do_sample=False).tolist() == loaded["greedy"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "transformers 5 loads any tokenizer of a qwen2 folder as Qwen2Tokenizer (qwen2 is in "
-    "MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), which swaps the tiny char tokenizer's pre-tokenizer for a "
-    "byte-level one, so spaces vanish. Fixed when hf_mars.tiny builds a byte-level BPE without merges; then "
-    "remove this marker."))
 def test_loaded_tokenizer_matches(loaded, source):
     """AutoTokenizer on the repo id encodes as the tokenizer the model was trained with."""
     _, tok, _ = source
