@@ -534,6 +534,7 @@ class MARSTrainer(SFTTrainer):
 
             model = self.accelerator.unwrap_model(self.model)
             self._ensure_config_metadata(output_dir, model)
+            self._training_args_as_json(output_dir)
             hub.write_mars_extras(output_dir, model=model, tokenizer=self.processing_class, training_args=self.args)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
@@ -558,6 +559,18 @@ class MARSTrainer(SFTTrainer):
                 fields["datasets"] = [dataset_name] if isinstance(dataset_name, str) else list(dataset_name)
             hub.write_mars_extras(self.args.output_dir, model=self.accelerator.unwrap_model(self.model),
                                   tokenizer=self.processing_class, training_args=self.args, **fields)
+
+    def _training_args_as_json(self, output_dir: str) -> None:
+        """Trainer pickles its arguments as training_args.bin; a Hub checkpoint should hold no pickle at all.
+
+        Nothing reads that file back (resuming uses trainer_state.json, optimizer and scheduler states), so it is
+        replaced by the same arguments as JSON.
+        """
+        pickled = os.path.join(output_dir, "training_args.bin")
+        if os.path.isfile(pickled):
+            os.remove(pickled)
+        with open(os.path.join(output_dir, "training_args.json"), "w", encoding="utf-8") as f:
+            f.write(self.args.to_json_string())
 
     def _ensure_config_metadata(self, output_dir: str, model) -> None:
         import json

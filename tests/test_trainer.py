@@ -259,6 +259,10 @@ def test_checkpoint_records_mars_metadata(tmp_path):
     assert type(model).__name__ == "Qwen2ForCausalLM"
     trainer.save_model(str(tmp_path / "final"))
     assert json.loads((tmp_path / "final" / "config.json").read_text())["mars"] == meta
+    # a Hub checkpoint holds no pickle: the weights are safetensors, the training arguments JSON
+    final_files = {p.name for p in (tmp_path / "final").iterdir()}
+    assert "model.safetensors" in final_files and "training_args.json" in final_files
+    assert not [f for f in final_files if f.endswith((".bin", ".pt", ".pth", ".pkl"))]
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path):
