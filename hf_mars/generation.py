@@ -199,6 +199,15 @@ def _resolve_options(model, generation_config, **given) -> _Options:
     )
 
 
+# model kwargs the loop manages itself ("past_key_values" is the cache's name before transformers 5.2x)
+_LOOP_KWARGS = ("cache", "past_key_values", "attention_mask", "position_ids", "use_cache", "logits_to_keep",
+                "inputs_embeds")
+
+
+def _cache_key(model_kwargs) -> str:
+    return "past_key_values" if "past_key_values" in model_kwargs and "cache" not in model_kwargs else "cache"
+
+
 def _check_supported(model, generation_config, model_kwargs, assistant_model=None):
     """Clear errors for what a MARS loop cannot do, before any forward."""
     if getattr(model.config, "is_encoder_decoder", False):
@@ -213,8 +222,6 @@ def _check_supported(model, generation_config, model_kwargs, assistant_model=Non
             "MARS decoding cannot be combined with assisted generation (assistant_model / prompt_lookup_num_tokens): "
             "MARS already drafts its own tokens. For lossless self-speculative decoding use mars_verify=True."
         )
-    if getattr(generation_config, "num_assistant_tokens", None) and assistant_model is not None:
-        raise ValueError("MARS decoding cannot be combined with an assistant model.")
     if generation_config.use_cache is False:
         raise ValueError("MARS decoding needs the KV cache; do not pass use_cache=False.")
     if model_kwargs.get("inputs_embeds") is not None:
@@ -224,9 +231,9 @@ def _check_supported(model, generation_config, model_kwargs, assistant_model=Non
             "output_attentions / output_hidden_states are not supported by MARS decoding (a forward covers several "
             "tokens and masks); use output_scores / output_logits."
         )
-    if generation_config.prefill_chunk_size is not None:
+    if getattr(generation_config, "prefill_chunk_size", None) is not None:
         raise ValueError("prefill_chunk_size is not supported by MARS decoding.")
-    cache = model_kwargs.get("cache")
+    cache = model_kwargs.get(_cache_key(model_kwargs))
     if cache is not None:
         # cropping must restore the cache exactly, and padded chunks grow it past max_length: plain dynamic
         # full-attention layers only (no static, sliding-window, quantized or linear-attention layers)
@@ -239,7 +246,7 @@ def _check_supported(model, generation_config, model_kwargs, assistant_model=Non
                 "(do not set cache_implementation) on a model without sliding-window or linear-attention layers."
             )
     for key, value in model_kwargs.items():
-        if key in ("cache", "attention_mask", "position_ids", "use_cache", "logits_to_keep", "inputs_embeds"):
+        if key in _LOOP_KWARGS:
             continue
         if torch.is_tensor(value):
             raise ValueError(
@@ -330,13 +337,15 @@ class _MARSDecoder:
         else:
             self.prompt_real = torch.full((b,), P, dtype=torch.long, device=self.device)
             self.prompt_pos = torch.arange(P, device=self.device).unsqueeze(0).expand(b, P)
-        self.cache = model_kwargs.get("cache")
+        self.cache_key = _cache_key(model_kwargs)
+        self.cache = model_kwargs.get(self.cache_key)
+        if self.cache is None:  # generate always prepares one; be safe if it did not
+            from transformers import DynamicCache
+
+            self.cache = DynamicCache(config=model.config)
         self.cache_attn = None  # 2D mask over the cache's columns (None while every column is real)
         self.cache_len = 0
-        self.extra_forward_kwargs = {
-            k: v for k, v in model_kwargs.items()
-            if k not in ("cache", "attention_mask", "position_ids", "use_cache", "logits_to_keep", "inputs_embeds")
-        }
+        self.extra_forward_kwargs = {k: v for k, v in model_kwargs.items() if k not in _LOOP_KWARGS}
         self.supports_logits_to_keep = model._supports_logits_to_keep()
         # positions reach prompt + generated + one chunk of drafts/masks
         self.arange = torch.arange(self.buf_len + 2 * (self.C + self.K) + 8, device=self.device)
@@ -435,13 +444,12 @@ class _MARSDecoder:
             attn = torch.cat([cache_attn, col_real.long()], dim=1)
         else:
             attn = None
-        fkw = self.extra_forward_kwargs
+        fkw = dict(self.extra_forward_kwargs)
+        fkw[self.cache_key] = self.cache  # a DynamicCache is updated in place
         if self.supports_logits_to_keep:
-            fkw = dict(fkw, logits_to_keep=Lk)
-        out = self.model_forward(input_ids=inp, attention_mask=attn, position_ids=pos, cache=self.cache,
-                                 use_cache=True, return_dict=True, **fkw)
-        if getattr(out, "cache", None) is not None:
-            self.cache = out.cache
+            fkw["logits_to_keep"] = Lk
+        out = self.model_forward(input_ids=inp, attention_mask=attn, position_ids=pos, use_cache=True,
+                                 return_dict=True, **fkw)
         logits = out.logits[:, -Lk:]
         del out
         if b == 1:
@@ -830,14 +838,20 @@ def mars_generate(
     - mars_threshold (tau, default 0.95): accept mask candidates while confidence >= tau; 1.0 = exactly greedy AR.
     - mars_block_size (B, default config.mars['block_size'] or 4): masks appended per step; B candidates
       (AR + B-1 masks), B+1 with mars_use_last_mask=True.
-    - mars_acceptance: "probability" (p of the chosen token), "entropy" (exp(-H) >= tau), "margin" (top1-top2).
+    - mars_acceptance: "probability" (p of the chosen token), "entropy" (exp(-H) >= tau, i.e. entropy <= -ln tau
+      nats), "margin" (top1 - top2 probability); all on the processed distribution.
     - mars_max_accept: cap on tokens accepted per step.
     - mars_cache: "sliding" (default; rows never wait), "block" (paper's block-level cache: chunks of
       mars_cache_block positions, each inner step forwards the chunk's accepted tokens + masks for all its
-      remaining positions over a frozen prefix), "block_trained" (same chunks, but [accepted | B masks]).
-    - mars_verify: lossless self-speculative mode (mask predictions are drafts verified by the next forward).
-    - mars_streamer: a streamer (transformers drops `streamer=` for callables; `enable_mars` routes it here).
-    With mars=False this runs transformers' ordinary sampling/greedy loop.
+      remaining positions over a frozen prefix, rows that filled the chunk wait), "block_trained" (same chunks,
+      but [accepted | B masks]). The forward that extends the cache with a completed chunk is merged with the
+      next chunk's first inner step ([completed chunk | masks]), so it costs no extra forward.
+    - mars_verify: lossless self-speculative mode (mask predictions are drafts verified by the next forward;
+      tau truncates the drafts, output equals plain greedy / plain sampling in distribution).
+    - mars_streamer: a streamer (transformers drops `streamer=` for callables; `enable_mars` routes it here,
+      and a `streamer=` given to generate is recovered from its frame).
+    With mars=False this runs transformers' ordinary sampling/greedy loop. tau >= 1 still feeds the B masks
+    (one-token mode of the paper) and accepts exactly the AR token.
     """
     caller = None
     if streamer is None and mars_streamer is None:
@@ -874,14 +888,16 @@ def mars_generate(
         streamer.end()
     if not generation_config.return_dict_in_generate:
         return sequences
+    # the cache is returned only when it has no masked-out columns (it can then be reused as is)
     clean_cache = decoder.cache if decoder.cache_attn is None and decoder.prompt_attn is None else None
+    fields = MARSGenerateOutput.__dataclass_fields__
     return MARSGenerateOutput(
         sequences=sequences,
         scores=decoder.assemble(0) if decoder.output_scores else None,
         logits=decoder.assemble(1) if decoder.output_logits else None,
-        cache=clean_cache,
         mars_forward_passes=decoder.forwards.clone(),
         mars_emitted_tokens=torch.tensor(decoder.n, dtype=torch.long, device=decoder.device),
+        **{("cache" if "cache" in fields else "past_key_values"): clean_cache},
     )
 
 

@@ -6,15 +6,14 @@ re-implementation of the spec (which exercises ragged per-row acceptance).
 """
 
 import math
-import os
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessorList, Qwen2Config, Qwen2ForCausalLM
 from transformers.generation import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
     SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -363,10 +362,12 @@ def _tiny_vocab_model(seed=0):
     return enable_mars(model)
 
 
-def _exact_distribution(model, prompt, steps, temperature, top_k):
+def _exact_distribution(model, prompt, steps, temperature, top_k, repetition_penalty=None):
     """P(next `steps` tokens) of plain sampling, enumerated exactly with the same processor chain."""
     chain = LogitsProcessorList([SuppressTokensLogitsProcessor([4], device="cpu"),
                                  TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k)])
+    if repetition_penalty is not None:
+        chain.insert(0, RepetitionPenaltyLogitsProcessor(repetition_penalty))
     probs = {(): 1.0}
     for _ in range(steps):
         prefixes = list(probs)
@@ -577,3 +578,19 @@ def test_eager_attention_batched(make_model):
     for r, prompt in enumerate(PROMPTS):
         ref, _ = _naive_mars(model, tok(prompt).input_ids, mask_id, 4, 0.3, 24, {tok.eos_token_id})
         assert out[r, P:P + len(ref)].tolist() == ref
+
+
+def test_verify_sampling_exact_with_history_processors():
+    """Same check on the candidate-by-candidate processor path (repetition_penalty sees each draft prefix)."""
+    model = _tiny_vocab_model(seed=1)
+    prompt, steps, n = [1, 2, 3], 3, 5000
+    expected = _exact_distribution(model, prompt, steps, 1.0, 4, repetition_penalty=2.0)
+    ids = torch.tensor([prompt] * n)
+    torch.manual_seed(99)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=True, top_k=4,
+                         repetition_penalty=2.0, mars_verify=True, mars_threshold=0.0, mars_block_size=3,
+                         return_dict_in_generate=True)
+    assert (out.mars_emitted_tokens > out.mars_forward_passes).any()
+    samples = [tuple(row) for row in out.sequences[:, len(prompt):].tolist()]
+    stat, limit, outside = _chi2(samples, expected)
+    assert outside == 0 and stat < limit, (stat, limit)
