@@ -34,7 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-kv-heads", type=int, default=2)
     p.add_argument("--intermediate-size", type=int, default=256)
-    p.add_argument("--max-steps", type=int, default=3000)
+    p.add_argument("--max-steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--learning-rate", type=float, default=3e-3)
     p.add_argument("--num-train", type=int, default=60000, help="training examples drawn (the run cycles over them)")

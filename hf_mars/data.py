@@ -103,7 +103,7 @@ def _sort(rng):
 
 def _count(rng):
     target = rng.choice("abc")
-    s = _letters(rng, 3, 9, alphabet="abc")
+    s = _letters(rng, 3, 7, alphabet="abc")
     prompt = f"Count {target} in {s}"
     return prompt, prompt, str(s.count(target))
 

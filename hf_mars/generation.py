@@ -381,7 +381,10 @@ class _MARSDecoder:
             active[r] = True
             rem = self.max_new - self.n[r]
             u[r] = self.n[r] - self.cached[r]
-            nm[r] = self.C - self.m[r] if opts.cache == "block" else self.B
+            if opts.cache == "block":
+                nm[r] = self.C - self.m[r]
+            else:  # one-token mode reads no mask: feeding none makes tau = 1 cost exactly an AR step
+                nm[r] = 0 if (self.one_token and not self.block and not opts.verify) else self.B
             if opts.verify:
                 d[r] = self.d[r]
                 # new drafts + the AR token must fit the length limit and the per-step cap

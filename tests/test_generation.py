@@ -80,6 +80,21 @@ def test_tau1_equals_greedy_left_padded(peaky, B, cache):
     assert torch.equal(out.mars_forward_passes, out.mars_emitted_tokens)
 
 
+def test_tau1_sliding_feeds_no_masks(peaky):
+    """One-token mode reads only candidate 0, so its decode steps are plain 1-token AR steps (no mask columns)."""
+    model, tok = peaky
+    enc = tok(["hello world"], return_tensors="pt")
+    widths = []
+    handle = model.register_forward_pre_hook(lambda mod, args, kw: widths.append(kw["input_ids"].shape[1]),
+                                             with_kwargs=True)
+    try:
+        out = _greedy(model, enc, mars_threshold=1.0, mars_block_size=4)
+    finally:
+        handle.remove()
+    assert torch.equal(out, _greedy(model, enc))
+    assert widths[0] == enc.input_ids.shape[1] and set(widths[1:]) == {1}
+
+
 @pytest.mark.parametrize("tau,B,last", [(0.0, 4, False), (0.5, 4, False), (0.0, 2, True), (0.5, 8, False)])
 def test_verify_equals_greedy(peaky, tau, B, last):
     model, tok = peaky
