@@ -79,7 +79,7 @@ def main(argv=None):
             costs = measure_step_costs(model, b, widths, args.past, repeats=20, block_size=B, statistic="median")
             entry["cost_ms"] = {str(w): 1e3 * t for w, t in costs.items()}
             g = torch.Generator().manual_seed(0)
-            ids = torch.randint(10, 1000, (b, args.prompt_len), generator=g).cuda()
+            ids = torch.randint(10, min(1000, model.config.vocab_size - 1), (b, args.prompt_len), generator=g).cuda()
             mask = torch.ones_like(ids)
             base = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=args.max_new_tokens,
                         return_dict_in_generate=True)

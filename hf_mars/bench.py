@@ -660,7 +660,9 @@ def _relative(row, ar, costs):
     speedup = row["tokens_per_s"] / ar["tokens_per_s"]
     row["speedup_min"] = row["tokens_per_s_min"] / ar["tokens_per_s_min"]
     per_call_gain = row["tokens_per_call"] / ar["tokens_per_call"]
-    limit = per_call_gain / costs["ratio"]
+    # a loop that appends no masks (tau = 1 one-token mode) runs 1-wide steps: its bound is the token gain alone
+    one_wide = not (row["mean_decode_width"] > 1)  # also when there was no decode step at all (NaN)
+    limit = per_call_gain if one_wide else per_call_gain / costs["ratio"]
     # the same bound with the widths the loop really forwarded (a sliding step re-feeds the k tokens it
     # accepted last step plus B masks, so it is k + B wide, not 1 + B), from the measured cost table
     if row["_predicted_s"] > 0 and ar["_predicted_s"] > 0:

@@ -383,8 +383,10 @@ class _MARSDecoder:
             u[r] = self.n[r] - self.cached[r]
             if opts.cache == "block":
                 nm[r] = self.C - self.m[r]
-            else:  # one-token mode reads no mask: feeding none makes tau = 1 cost exactly an AR step
-                nm[r] = 0 if (self.one_token and not self.block and not opts.verify) else self.B
+            else:
+                # candidates read masks 1..K-1 only, and under causal attention a later mask changes nothing
+                # before it: feed K-1 masks (B-1 by default; none in one-token mode, an exact AR step)
+                nm[r] = 0 if (self.one_token and not self.block and not opts.verify) else self.K - 1
             if opts.verify:
                 d[r] = self.d[r]
                 # new drafts + the AR token must fit the length limit and the per-step cap
