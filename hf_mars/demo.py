@@ -312,7 +312,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--block-size", type=int, default=4, help="MARS block size B (default 4, as in the paper)")
     parser.add_argument("--steps", type=int, default=None, help="fine-tuning steps for MARS and for the AR-SFT "
-                        "baseline each (default 400; 6 with --quick)")
+                        "baseline each (default 600; 6 with --quick)")
     parser.add_argument("--batch-size", type=int, default=None, help="training batch size (default 32; 8 with --quick)")
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--num-eval", type=int, default=None, help="held-out examples (default 320; 16 with --quick)")
@@ -328,7 +328,7 @@ def add_arguments(parser) -> None:
 
 def _resolve(args) -> None:
     quick = args.quick
-    defaults = {"steps": (400, 6), "batch_size": (32, 8), "num_eval": (320, 16), "timing_prompts": (48, 8),
+    defaults = {"steps": (600, 6), "batch_size": (32, 8), "num_eval": (320, 16), "timing_prompts": (48, 8),
                 "timing_repeats": (2, 1)}
     for name, (full, small) in defaults.items():
         if getattr(args, name) is None:
