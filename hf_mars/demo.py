@@ -4,8 +4,11 @@ What it does, from the tiny AR-SFT model shipped in ``hf_mars/assets/tiny-base``
 (a character-level Qwen2 trained by plain TRL SFT on the bundled tasks,
 see ``examples/build_tiny_base.py``):
 
-1. MARS fine-tune with `MARSTrainer` (block size 4 by default);
-2. a compute-matched AR-SFT baseline: plain `SFTTrainer` from the same base, same steps, batch and LR;
+1. MARS fine-tune with `MARSTrainer` (block size 4 by default) on fresh bundled examples, half of them
+   cut at a random point of the answer (see `completion_rows`: it teaches the masks the layout they
+   meet when decoding);
+2. a compute-matched AR-SFT baseline: plain `SFTTrainer` from the same base on the same examples
+   (uncut), same steps, batch and LR;
 3. evaluation on the held-out split (``hf_mars.data``): exact-match accuracy per task and overall and
    tokens per forward, for every threshold in the sweep and for the lossless verify mode;
 4. wall-clock against plain `generate` (greedy, KV cache) on the same checkpoint, batch sizes 1/4/16,
@@ -17,11 +20,8 @@ see ``examples/build_tiny_base.py``):
 
 from __future__ import annotations
 
-import copy
 import json
 import os
-import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -165,7 +165,6 @@ def _train_config(cls, output_dir, args, **extra):
         warmup_steps=max(1, args.steps // 20),
         weight_decay=0.0,
         max_length=256,
-        assistant_only_loss=True,
         bf16=False,  # fp32: bf16 autocast is ~8x slower on CPU
         gradient_checkpointing=False,  # pure overhead for a ~1M-parameter model
         use_cpu=True,
@@ -180,6 +179,29 @@ def _train_config(cls, output_dir, args, **extra):
     )
 
 
+def completion_rows(examples, tokenizer, cut_fraction=0.0, seed=0):
+    """Chat examples as text prompt/completion rows; a share of them cut at a random point of the answer.
+
+    Why the cut: decoding feeds masks right after *any* committed length ``c``, so inside the current
+    block the masks follow real answer tokens. A full-answer MARS example never shows that layout
+    (every answer token of a block is masked), and a small model then keys on the block position
+    instead of counting masks: confidently wrong drafts in threshold mode. A cut example moves the
+    first ``r`` answer characters into the prompt, so the noisy stream holds real tokens, then
+    masks, at every offset inside a block — exactly the inference layout. The loss covers the
+    completion only; ``cut_fraction=0`` gives the plain SFT rows (the AR baseline's data).
+    """
+    import random
+
+    rng = random.Random(f"hf-mars-cut|{seed}")
+    rows = []
+    for ex in examples:
+        prompt = tokenizer.apply_chat_template([ex["messages"][0]], tokenize=False, add_generation_prompt=True)
+        answer = ex["messages"][1]["content"]
+        r = rng.randint(1, len(answer) - 1) if len(answer) > 1 and rng.random() < cut_fraction else 0
+        rows.append({"prompt": prompt + answer[:r], "completion": answer[r:] + tokenizer.eos_token})
+    return rows
+
+
 def _load_base(path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -188,10 +210,13 @@ def _load_base(path):
     return model, tokenizer
 
 
-def train_mars(base_path, train_ds, args, work_dir):
+def train_mars(base_path, train_examples, args, work_dir):
+    from datasets import Dataset
+
     from hf_mars import MARSConfig, MARSTrainer
 
     model, tokenizer = _load_base(base_path)
+    train_ds = Dataset.from_list(completion_rows(train_examples, tokenizer, args.cut_fraction, args.seed))
     config = _train_config(MARSConfig, work_dir / "mars-trainer", args, block_size=args.block_size, ar_weight=1.0)
     trainer = MARSTrainer(model=model, args=config, train_dataset=train_ds, processing_class=tokenizer)
     t0 = time.time()
@@ -199,10 +224,12 @@ def train_mars(base_path, train_ds, args, work_dir):
     return trainer.model.eval(), tokenizer, time.time() - t0
 
 
-def train_ar_baseline(base_path, train_ds, args, work_dir):
+def train_ar_baseline(base_path, train_examples, args, work_dir):
+    from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
     model, tokenizer = _load_base(base_path)
+    train_ds = Dataset.from_list(completion_rows(train_examples, tokenizer, 0.0, args.seed))
     config = _train_config(SFTConfig, work_dir / "ar-trainer", args)
     trainer = SFTTrainer(model=model, args=config, train_dataset=train_ds, processing_class=tokenizer)
     t0 = time.time()
@@ -320,6 +347,9 @@ def add_arguments(parser) -> None:
                         "(default 48; 16 with --quick)")
     parser.add_argument("--timing-repeats", type=int, default=None, help="repeats per timing (min is kept; "
                         "default 2, 1 with --quick)")
+    parser.add_argument("--cut-fraction", type=float, default=0.5, help="share of MARS training examples cut at a "
+                        "random point of the answer (the prefix joins the prompt), so the masks learn the layout "
+                        "they meet when decoding; 0 disables")
     parser.add_argument("--verify-threshold", type=float, default=0.5, help="verify mode proposes a mask prediction "
                         "as a draft when its probability is >= this (accuracy is unaffected: every draft is checked)")
     parser.add_argument("--base", default=None, help="AR-SFT base checkpoint (default: the shipped tiny base)")
@@ -336,6 +366,10 @@ def _resolve(args) -> None:
     for name in ("steps", "batch_size", "num_eval", "timing_prompts", "timing_repeats", "block_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
+    if not 0.0 <= args.cut_fraction <= 1.0:
+        raise ValueError(f"--cut-fraction must be in [0, 1], got {args.cut_fraction}.")
+    if not 0.0 <= args.verify_threshold <= 1.0:
+        raise ValueError(f"--verify-threshold must be in [0, 1], got {args.verify_threshold}.")
     if args.timing_prompts > args.num_eval:
         args.timing_prompts = args.num_eval
 
@@ -350,7 +384,7 @@ def run(args) -> int:
     from transformers import set_seed
     from transformers.utils import logging as hf_logging
 
-    from hf_mars.data import TASKS, generate_examples, make_dataset
+    from hf_mars.data import TASKS, generate_examples
     from hf_mars.generation import enable_mars
 
     hf_logging.set_verbosity_error()
@@ -368,7 +402,7 @@ def run(args) -> int:
 
     _log(f"base: {base}; {args.steps} fine-tuning steps x batch {args.batch_size} for MARS (B={B}) and for the "
          f"AR-SFT baseline; {args.num_eval} held-out examples; torch threads: {torch.get_num_threads()}")
-    train_ds = make_dataset(args.steps * args.batch_size, seed=args.seed + 1, split="train")
+    train_ds = generate_examples(args.steps * args.batch_size, seed=args.seed + 1, split="train")
     eval_examples = generate_examples(args.num_eval, seed=args.seed, split="eval")
 
     _log("1/5 MARS fine-tune (MARSTrainer)")
@@ -460,6 +494,7 @@ def run(args) -> int:
                    "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
                    "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
         "training": {"steps": args.steps, "batch_size": args.batch_size, "learning_rate": args.learning_rate,
+                     "cut_fraction": args.cut_fraction,
                      "mars_seconds": round(mars_train_s, 1), "ar_sft_seconds": round(ar_train_s, 1),
                      "base": str(base)},
         "num_examples": n_eval,
