@@ -17,8 +17,10 @@ _EXPORTS = {
     "build_mars_attention_mask": "hf_mars.masking",
     "mars_generate": "hf_mars.generation",
     "enable_mars": "hf_mars.generation",
+    "MARSGenerateOutput": "hf_mars.generation",
     "save_for_hub": "hf_mars.hub",
     "push_to_hub": "hf_mars.hub",
+    "write_mars_extras": "hf_mars.hub",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
