@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import copy
 import inspect
 import math
 import sys
@@ -46,6 +47,9 @@ from transformers.cache_utils import DynamicLayer
 from transformers.generation import logits_process as _lp
 from transformers.generation import stopping_criteria as _sc
 from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.utils import logging as _hf_logging
+
+_logger = _hf_logging.get_logger(__name__)
 
 DEFAULT_THRESHOLD = 0.95  # the paper's multi-token setting (1.0 = one token per forward = AR greedy)
 DEFAULT_BLOCK_SIZE = 4  # the paper's default block size
@@ -88,6 +92,49 @@ _HISTORY_FREE_PROCESSORS = tuple(
     )
     if cls is not None
 )
+
+
+# Processors that are pure functions of (input_ids, scores): calling them on speculative candidates (histories
+# extended by tokens that may be rejected) leaves nothing behind, so MARS applies them to every candidate, as
+# AR decoding would apply them to that history. Exact types only: a subclass may add state. Anything else (a
+# grammar matcher, a user processor, a prefix function) is treated as stateful: it only ever sees the calls
+# plain AR decoding makes. An object can declare itself pure with a ``mars_stateless = True`` attribute.
+_STATELESS_PROCESSORS = _HISTORY_FREE_PROCESSORS + tuple(
+    cls
+    for cls in (
+        getattr(_lp, name, None)
+        for name in (
+            "MinLengthLogitsProcessor",
+            "MinNewTokensLengthLogitsProcessor",
+            "RepetitionPenaltyLogitsProcessor",
+            "NoRepeatNGramLogitsProcessor",
+            "SequenceBiasLogitsProcessor",
+            "NoBadWordsLogitsProcessor",
+            "ForcedBOSTokenLogitsProcessor",
+            "ForcedEOSTokenLogitsProcessor",
+            "ExponentialDecayLengthPenalty",
+            "SuppressTokensAtBeginLogitsProcessor",
+            "WatermarkLogitsProcessor",
+        )
+    )
+    if cls is not None
+)
+_STATELESS_CRITERIA = tuple(
+    cls
+    for cls in (
+        getattr(_sc, name, None)
+        for name in ("MaxLengthCriteria", "MaxTimeCriteria", "StopStringCriteria", "EosTokenCriteria",
+                     "ConfidenceCriteria")
+    )
+    if cls is not None
+)
+
+
+def _is_stateless(obj, known) -> bool:
+    declared = getattr(obj, "mars_stateless", None)
+    if declared is not None:
+        return bool(declared)
+    return type(obj) in known
 
 
 @dataclasses.dataclass
@@ -285,10 +332,14 @@ class _MARSDecoder:
             else:
                 kept.append(proc)
         self.processors = _lp.LogitsProcessorList(kept)
+        # stateful processors / criteria get AR's calls only (see `_decide_exact`); the stateless part of the
+        # chain still processes speculative candidates (verify mode drafts from it)
+        self.stateful_procs = [p for p in kept if not _is_stateless(p, _STATELESS_PROCESSORS)]
+        self.stateless_chain = _lp.LogitsProcessorList([p for p in kept if _is_stateless(p, _STATELESS_PROCESSORS)])
+        self.copies_failed = False  # threshold mode: a stateful processor could not be copied (one token per step)
         self.suppress = sorted(suppressed)
         self.suppress_index = self.suppress[0] if len(self.suppress) == 1 else torch.tensor(
             self.suppress, dtype=torch.long, device=self.device)
-        self.history_free = all(isinstance(p, _HISTORY_FREE_PROCESSORS) for p in self.processors)
         eos_ids, max_length, other = [], None, []
         for crit in stopping_criteria if stopping_criteria is not None else []:
             if isinstance(crit, _sc.EosTokenCriteria):
@@ -298,6 +349,10 @@ class _MARSDecoder:
             else:
                 other.append(crit)
         self.other_criteria = _sc.StoppingCriteriaList(other)
+        stateful_criteria = [c for c in other if not _is_stateless(c, _STATELESS_CRITERIA)]
+        # with anything stateful, every emitted position is decided in order and batch rows move in lockstep
+        # (the same count per step), so one batched call is every row's exact AR history
+        self.exact = bool(self.stateful_procs or stateful_criteria)
         if max_length is None:
             max_length = generation_config.max_length
         if max_length is None:
@@ -486,24 +541,29 @@ class _MARSDecoder:
             forced_mask = self.arange[:S][None, :] < torch.tensor(d, dtype=torch.long, device=dev)[:, None]
             forced = self.seq.gather(1, slot_pos)  # the pending drafts sit right after the committed tokens
 
-        scores, chosen = self._process(slot_logits, S, rows, active_t, forced, forced_mask, slot_pos)
-        if opts.verify:
-            acc, newd = self._accept_verify(scores, chosen, forced, forced_mask, valid, d, slot_pos, active_t, S,
-                                            d[rows[0]] if uniform else None)
-            emitted = self.seq[:, P + self.n[0]:P + self.n[0] + S] if b == 1 else self.seq.gather(1, slot_pos)
+        if self.exact:  # stateful processors or criteria: one position at a time, AR's calls only
+            scores, acc, stop, newd = self._decide_exact(slot_logits, S, rows, active_t, forced, forced_mask,
+                                                         slot_pos, valid, d)
         else:
-            acc, newd = self._accept_threshold(scores, chosen, valid), None
-            emitted = chosen
+            scores, chosen = self._process(slot_logits, S, rows, active_t, forced, forced_mask, slot_pos,
+                                               self.processors)
+            if opts.verify:
+                acc, newd = self._accept_verify(scores, chosen, forced, forced_mask, valid, d, slot_pos, active_t, S,
+                                                d[rows[0]] if uniform else None)
+                emitted = self.seq[:, P + self.n[0]:P + self.n[0] + S] if b == 1 else self.seq.gather(1, slot_pos)
+            else:
+                acc, newd = self._accept_threshold(scores, chosen, valid), None
+                emitted = chosen
 
-        # ---- stops, checked after every accepted token: EOS, then any other criteria
-        stop = None
-        if self.eos is not None:
-            eos_at = torch.where(torch.isin(emitted, self.eos), self.arange[1:S + 1], S + 1).amin(1)
-            stop = eos_at <= acc
-            acc = torch.minimum(acc, eos_at)
-        if len(self.other_criteria) > 0:
-            acc, hit = self._other_criteria(acc, S, rows, scores)
-            stop = hit if stop is None else stop | hit
+            # ---- stops, checked after every accepted token: EOS, then any other criteria
+            stop = None
+            if self.eos is not None:
+                eos_at = torch.where(torch.isin(emitted, self.eos), self.arange[1:S + 1], S + 1).amin(1)
+                stop = eos_at <= acc
+                acc = torch.minimum(acc, eos_at)
+            if len(self.other_criteria) > 0:
+                acc, hit = self._other_criteria(acc, S, rows, scores)
+                stop = hit if stop is None else stop | hit
         if self.records is not None:
             self.records.append((scores if self.output_scores else None,
                                  raw_logits, list(self.n), acc))
@@ -589,7 +649,7 @@ class _MARSDecoder:
             return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).view(scores.shape[:-1])
         return scores.argmax(-1)
 
-    def _process(self, slot_logits, S, rows, active_t, forced, forced_mask, slot_pos):
+    def _process(self, slot_logits, S, rows, active_t, forced, forced_mask, slot_pos, chain):
         """Run the logits-processor chain on every slot and pick a token for it.
 
         Slot s of row r is processed with input_ids = the row's history extended by the tokens of slots
@@ -597,12 +657,12 @@ class _MARSDecoder:
         tokens are written into `seq` at their positions (inactive rows keep pads there).
         """
         b, P = self.b, self.P
-        if self.history_free:
+        if all(isinstance(p, _HISTORY_FREE_PROCESSORS) for p in chain):
             scores = slot_logits
-            if len(self.processors) > 0:
+            if len(chain) > 0:
                 V = slot_logits.shape[-1]
                 dummy = self.seq[:, :1].repeat_interleave(S, dim=0)  # these processors ignore input_ids
-                scores = self.processors(dummy, slot_logits.reshape(-1, V)).view(b, S, V)
+                scores = chain(dummy, slot_logits.reshape(-1, V)).view(b, S, V)
             chosen = self._choose(scores)
             ext = chosen if forced_mask is None else torch.where(forced_mask, forced, chosen)
             if active_t is not None:
@@ -619,7 +679,7 @@ class _MARSDecoder:
         chosen = torch.zeros(slot_logits.shape[:2], dtype=torch.long, device=self.device)
         for s in range(S):
             for g, rs in group_rows.items():
-                processed = self.processors(self.seq[:, :P + g + s], slot_logits[:, s].clone())
+                processed = chain(self.seq[:, :P + g + s], slot_logits[:, s].clone())
                 if len(group_rows) == 1:
                     scores[:, s] = processed
                 else:
@@ -698,35 +758,152 @@ class _MARSDecoder:
         self.seq.scatter_(1, slot_pos.gather(1, k[:, None]), tok_k[:, None])
         acc = k + 1 if active_t is None else (k + 1) * active_t
         # new drafts: the mask slots after the AR token, kept only where every pending draft was accepted
-        if self.Kd > 0 and S > Dm + 1:
-            if d_uniform is not None:  # every active row has its mask slots at the same place: slice
-                lo = d_uniform + 1
-                mscores = scores[:, lo:lo + self.Kd]
-                mprobs = probs[:, lo:lo + self.Kd] if probs is not None else torch.softmax(mscores, dim=-1)
-                in_range = None if valid is None else valid[:, lo:lo + self.Kd]
-                mtok = chosen[:, lo:lo + self.Kd]
-            else:
-                d_t = torch.tensor(d, dtype=torch.long, device=dev)
-                idx_raw = (d_t + 1)[:, None] + self.arange[:self.Kd][None]
-                idx = idx_raw.clamp(max=S - 1)
-                in_range = idx_raw < S
-                if valid is not None:
-                    in_range &= valid.gather(1, idx)
-                mprobs = probs if probs is not None else torch.softmax(scores, dim=-1)
-                mprobs = mprobs.gather(1, idx[:, :, None].expand(-1, -1, mprobs.shape[-1]))
-                mtok = chosen.gather(1, idx)
-            # truncation looks at the draft distribution only (not the drawn token), so it cannot bias sampling
-            ok = self._confidence(None, mtok, probs=mprobs, of_distribution=True) >= self.opts.tau
-            if in_range is not None:
-                ok &= in_range
-            newd = ok.long().cumprod(1).sum(1)
-            if Dm > 0:  # drafts only where every pending draft was accepted
-                newd = torch.where(k == torch.tensor(d, dtype=torch.long, device=dev), newd, 0)
-            if self.do_sample:
-                self.q_drafts = mprobs
-        else:
-            newd = torch.zeros(b, dtype=torch.long, device=dev)
+        newd = self._propose_drafts(scores, chosen, probs, valid, d, S, d_uniform)
+        if Dm > 0:
+            newd = torch.where(k == torch.tensor(d, dtype=torch.long, device=dev), newd, 0)
         return acc, newd
+
+    def _propose_drafts(self, scores, chosen, probs, valid, d, S, d_uniform):
+        """Drafts for the next step: the mask slots after each row's AR token, truncated at the first one whose
+        distribution is less confident than tau. With sampling, remembers the distributions they were drawn from."""
+        b, dev = self.b, self.device
+        if not (self.Kd > 0 and S > max(d) + 1):
+            return torch.zeros(b, dtype=torch.long, device=dev)
+        if d_uniform is not None:  # every active row has its mask slots at the same place: slice
+            lo = d_uniform + 1
+            mscores = scores[:, lo:lo + self.Kd]
+            mprobs = probs[:, lo:lo + self.Kd] if probs is not None else torch.softmax(mscores, dim=-1)
+            in_range = None if valid is None else valid[:, lo:lo + self.Kd]
+            mtok = chosen[:, lo:lo + self.Kd]
+        else:
+            d_t = torch.tensor(d, dtype=torch.long, device=dev)
+            idx_raw = (d_t + 1)[:, None] + self.arange[:self.Kd][None]
+            idx = idx_raw.clamp(max=S - 1)
+            in_range = idx_raw < S
+            if valid is not None:
+                in_range &= valid.gather(1, idx)
+            mprobs = probs if probs is not None else torch.softmax(scores, dim=-1)
+            mprobs = mprobs.gather(1, idx[:, :, None].expand(-1, -1, mprobs.shape[-1]))
+            mtok = chosen.gather(1, idx)
+        # truncation looks at the draft distribution only (not the drawn token), so it cannot bias sampling
+        ok = self._confidence(None, mtok, probs=mprobs, of_distribution=True) >= self.opts.tau
+        if in_range is not None:
+            ok &= in_range
+        if self.do_sample:
+            self.q_drafts = mprobs
+        return ok.long().cumprod(1).sum(1)
+
+    # ---------------------------------------------------------------- stateful processors and criteria
+    def _disposable_chain(self):
+        """The processor chain with every stateful processor deep-copied (speculation must not touch them).
+
+        None when a processor cannot be copied (C++/Rust matchers usually cannot): the step then accepts one
+        token, decided by the real chain alone, and later steps stay one token per step."""
+        if self.copies_failed:
+            return None
+        try:
+            return _lp.LogitsProcessorList(
+                [copy.deepcopy(p) if any(p is q for q in self.stateful_procs) else p for p in self.processors])
+        except Exception as err:  # noqa: BLE001 - any failure to copy means: do not speculate
+            self.copies_failed = True
+            self.one_token = True
+            names = ", ".join(sorted({type(p).__name__ for p in self.stateful_procs}))
+            _logger.warning_once(
+                f"MARS threshold decoding with a stateful logits processor ({names}) that cannot be copied "
+                f"({type(err).__name__}): decoding one token per forward so that the processor sees exactly the "
+                "calls of plain decoding (the output is plain greedy/sampling). Use mars_verify=True for lossless "
+                "multi-token decoding with this processor."
+            )
+            return None
+
+    def _decide_exact(self, slot_logits, S, rows, active_t, forced, forced_mask, slot_pos, valid, d):
+        """Choose, accept and stop so that stateful processors and criteria see only AR decoding's calls.
+
+        Every unfinished row is at the same length (rows accept the same count each step), so one batched call
+        holds each row's exact history. Speculation runs on disposable copies (threshold mode) or the stateless
+        part of the chain (verify drafts); then the real objects are called once per emitted position, in
+        order: the processors on the history before it, the criteria on the history that ends with it. A
+        position is processed only once it is certain to be emitted (verify: every earlier draft accepted;
+        threshold: accepted on the copies' scores, which the real call must reproduce).
+        Returns (scores, accepted count, stopped, new drafts or None).
+        """
+        b, P, dev, opts = self.b, self.P, self.device, self.opts
+        live = torch.ones(b, dtype=torch.bool, device=dev) if active_t is None else active_t.clone()
+        n = self.n[rows[0]]
+        d0 = d[rows[0]] if opts.verify else 0
+        scores = chosen = None
+        if opts.verify:
+            chain = self.stateless_chain if self.stateful_procs else self.processors
+            scores, chosen = self._process(slot_logits, S, rows, active_t, forced, forced_mask, slot_pos, chain)
+            limit = d0 + 1  # slots 0..d0-1 verify the drafts, slot d0 is the AR token after them
+        else:
+            chain = None
+            if not self.one_token:  # one-token steps need no speculation: the real chain decides slot 0
+                chain = self._disposable_chain() if self.stateful_procs else self.processors
+            if chain is None:
+                limit = 1
+            else:
+                scores, chosen = self._process(slot_logits, S, rows, active_t, None, None, slot_pos, chain)
+                spec_acc = self._accept_threshold(scores, chosen, valid)
+                limit = int(spec_acc[live].min()) if b > 1 else int(spec_acc[0])
+        out = torch.empty_like(slot_logits) if scores is None else scores.clone()
+        acc = torch.zeros(b, dtype=torch.long, device=dev)
+        stop = torch.zeros(b, dtype=torch.bool, device=dev)
+        all_drafts = False
+        for s in range(limit):
+            if self.stateful_procs or scores is None:
+                real = self.processors(self.seq[:, :P + n + s], slot_logits[:, s].clone())
+            else:
+                real = scores[:, s]
+            agreed = None
+            if opts.verify:
+                tok, agreed = self._verify_slot(real, s, d0, forced)
+            elif scores is not None and torch.equal(real[live], scores[live, s]):
+                tok = chosen[:, s]
+            else:  # the real call disagrees with its copy (or there is no copy): this token ends the step
+                tok, limit = self._choose(real), s + 1
+            tok = torch.where(live, tok, self.pad)
+            self.seq[:, P + n + s] = tok
+            out[:, s] = real
+            acc = torch.where(live, s + 1, acc)
+            hit = torch.isin(tok, self.eos) if self.eos is not None else torch.zeros_like(live)
+            if len(self.other_criteria) > 0:
+                crit = self.other_criteria(self.seq[:, :P + n + s + 1], (real,) if self.output_scores else None)
+                hit = hit | torch.as_tensor(crit, device=dev).expand(b)
+            hit &= live
+            stop |= hit
+            live &= ~hit
+            if s + 1 >= limit or not bool(live.any()):
+                all_drafts = opts.verify and s == d0
+                break
+            if opts.verify and not bool(agreed[live].all()):
+                break
+        newd = None
+        if opts.verify:
+            newd = torch.zeros(b, dtype=torch.long, device=dev)
+            if all_drafts:  # every live row emitted all its drafts and the AR token: propose from its masks
+                newd = self._propose_drafts(scores, chosen, None, valid, d, S, d0)
+                newd = torch.where(live, newd, 0)
+                if b > 1 and bool(live.any()):
+                    newd = torch.where(live, newd[live].min(), 0)  # the same count in every row (lockstep)
+        return out, acc, stop, newd
+
+    def _verify_slot(self, real, s, d0, forced):
+        """The AR token at slot s and whether it is the pending draft there (speculative sampling when sampling)."""
+        if not self.do_sample:
+            tok = real.argmax(-1)
+            return tok, (tok == forced[:, s]) if s < d0 else None
+        p = torch.softmax(real, dim=-1)
+        if s >= d0:
+            return torch.multinomial(p, 1).squeeze(1), None
+        draft = forced[:, s]
+        q = self.q_drafts[:, s]
+        pd, qd = p.gather(1, draft[:, None]).squeeze(1), q.gather(1, draft[:, None]).squeeze(1)
+        keep = torch.rand(draft.shape[0], device=self.device) * qd < pd
+        residual = (p - q).clamp_min(0)
+        rsum = residual.sum(-1, keepdim=True)
+        resampled = torch.multinomial(torch.where(rsum > 0, residual / rsum.clamp_min(1e-30), p), 1).squeeze(1)
+        return torch.where(keep, draft, resampled), keep
 
     def _other_criteria(self, acc, S, rows, scores):
         """Stopping criteria beyond EOS / length, checked after each accepted token on the exact AR history."""
