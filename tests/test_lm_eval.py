@@ -91,3 +91,52 @@ def test_lm_eval_hf_backend_uses_mars(tmp_path, monkeypatch):
     assert seen and all(m is True and t == 0.0 for m, t, _, _ in seen)  # gen_kwargs reached the MARS generate
     steps = sum(new for _, _, new, _ in seen)  # generated positions per batch (rows decode in lockstep)
     assert len(forwards) < steps, (len(forwards), seen)  # several tokens per forward: MARS decoding was used
+
+
+def _until_task(tmp_path, until):
+    """The same local task, with a stop sequence that occurs inside the generations (lm-eval's sticky criterion)."""
+    task_dir = _task_dir(tmp_path)
+    yaml = (task_dir / "mars_tiny.yaml").read_text().replace('until: ["\\n\\n"]', f"until: {json.dumps(until)}")
+    (task_dir / "mars_tiny.yaml").write_text(yaml.replace("max_gen_toks: 24", "max_gen_toks: 32"))
+    return task_dir
+
+
+@pytest.mark.parametrize("arch,until", [("qwen2", ["e", "o"]), ("gpt2-aligned", ["X"])])
+def test_lm_eval_responses_identical_plain_tau1_verify(tmp_path, monkeypatch, arch, until):
+    """lm-eval scores the same task with plain generate, MARS tau = 1 and MARS verify: identical responses."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from hf_mars import enable_mars
+
+    monkeypatch.setattr("datasets.config.HF_DATASETS_CACHE", tmp_path / "datasets")
+    tok = build_char_tokenizer()
+    if arch == "qwen2":
+        model = tiny_qwen2(tok, seed=1, initializer_range=0.5)
+        add_mask_token(model, tok)
+        enable_mars(model)
+    else:
+        from test_stateful_clients import position_only_model
+
+        model = position_only_model(tok)
+    lm = HFLM(pretrained=model, tokenizer=tok, device="cpu", batch_size=4)
+    manager = TaskManager(include_path=str(_until_task(tmp_path, until)))
+    forwards = []
+    hook = model.register_forward_hook(lambda *a: forwards.append(1))
+    responses = {}
+    for name, gen_kwargs in [("plain", None), ("tau1", "mars=True,mars_threshold=1.0"),
+                             ("verify", "mars=True,mars_verify=True,mars_threshold=0.0"),
+                             ("verify_last", "mars=True,mars_verify=True,mars_threshold=0.0,mars_use_last_mask=True")]:
+        start = len(forwards)
+        results = simple_evaluate(model=lm, tasks=["mars_tiny"], task_manager=manager, gen_kwargs=gen_kwargs,
+                                  log_samples=True)
+        samples = sorted(results["samples"]["mars_tiny"], key=lambda s: s["doc_id"])
+        responses[name] = ([s["resps"] for s in samples], len(forwards) - start)
+    hook.remove()
+    assert responses["tau1"][0] == responses["plain"][0]
+    assert responses["verify"][0] == responses["plain"][0]
+    assert responses["verify_last"][0] == responses["plain"][0]
+    assert any(len(r[0]) < 30 for r in responses["plain"][0])  # the stop sequence cut some generations short
+    if arch == "gpt2-aligned":  # drafts are mostly right there: verify took fewer forwards than plain
+        assert responses["verify"][1] < responses["plain"][1]
