@@ -142,7 +142,8 @@ class MARSGenerateOutput(GenerateDecoderOnlyOutput):
     """`GenerateDecoderOnlyOutput` plus MARS statistics, one entry per row.
 
     ``scores`` / ``logits`` hold one tensor per emitted token position (like AR
-    decoding); rows that emitted fewer tokens are filled with ``-inf``.
+    decoding); after a row finished, its entries are certain of the pad token
+    (0 there, ``-inf`` elsewhere), so ``compute_transition_scores`` gives 0, not NaN.
     ``mars_forward_passes``: forwards a row took part in until it finished;
     ``mars_emitted_tokens``: tokens it emitted. Their ratio is tokens per forward.
     """
@@ -216,6 +217,17 @@ def _resolve_options(model, generation_config, **given) -> _Options:
         )
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"mars_block_size must be an int >= 1 (the trained block size, e.g. 4), got {block_size!r}.")
+    if not meta.get("trained_steps"):
+        _logger.warning_once(
+            "This model's mask token was never MARS-trained (config.mars has no `trained_steps`): MARS decoding "
+            "will accept poor guesses (verify mode stays exact but slow). Fine-tune with hf_mars.MARSTrainer."
+        )
+    trained = meta.get("block_size")
+    if isinstance(trained, int) and block_size > trained:
+        _logger.warning_once(
+            f"mars_block_size={block_size} is larger than the block size this model was trained with ({trained}): "
+            f"masks beyond the trained distance predict poorly. Use mars_block_size <= {trained}."
+        )
     if acceptance not in ACCEPTANCE_MODES:
         raise ValueError(f"mars_acceptance must be one of {ACCEPTANCE_MODES}, got {acceptance!r}.")
     if max_accept is not None and (isinstance(max_accept, bool) or not isinstance(max_accept, int) or max_accept < 1):
@@ -965,7 +977,10 @@ class _MARSDecoder:
             for r in range(self.b):
                 if a_l[r] > 0:
                     per_row[r].append(tensor[r, :a_l[r]])
+        # positions after a row finished hold a distribution certain of the pad token (the token the sequence
+        # holds there), like plain generate's finite scores: transition scores are 0 there, never NaN
         out = torch.full((self.b, T, V), -math.inf, device=self.device)
+        out[:, :, self.pad] = 0.0
         for r in range(self.b):
             if per_row[r]:
                 rows = torch.cat(per_row[r])[: self.n[r]]
@@ -1047,6 +1062,15 @@ def mars_generate(
             model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
             generation_config=generation_config, synced_gpus=synced_gpus, streamer=streamer, **model_kwargs,
         )
+    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        raise ValueError(
+            f"MARS decoding needs a prompt of at least one token per row; got input_ids of shape {tuple(input_ids.shape)}. "
+            "Start the prompt with BOS or the chat template's generation prompt."
+        )
+    attn = model_kwargs.get("attention_mask")
+    if attn is not None and attn.ndim == 2 and bool((attn.sum(-1) == 0).any()):
+        raise ValueError("MARS decoding needs at least one real (unpadded) prompt token in every row; a row of the "
+                         "attention_mask is all zeros.")
     assistant = (caller or {}).get("assistant_model") if caller is not None else None
     _check_supported(model, generation_config, model_kwargs, assistant_model=assistant)
     opts = _resolve_options(
@@ -1137,8 +1161,14 @@ def _route_generate(model, *args, **kwargs):
     if not use_mars:
         return base_generate(model, **kwargs)
 
-    if kwargs.get("custom_generate") is not None:
-        raise ValueError("mars=True runs its own decoding loop; it cannot be combined with custom_generate.")
+    custom = kwargs.pop("custom_generate", None)
+    if custom is not None and getattr(custom, "__name__", None) != "mars_generate":
+        asked = ", ".join(f"{k}={v!r}" for k, v in mars_args.items()) or "mars=True"
+        raise ValueError(
+            f"generate(custom_generate={getattr(custom, '__name__', custom)!r}) was combined with MARS decoding "
+            f"({asked}): MARS runs its own decoding loop. Drop custom_generate, or drop the MARS arguments to run "
+            "your custom_generate."
+        )
     if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
         raise ValueError(
             "MARS decoding cannot be combined with assisted generation (assistant_model / prompt_lookup_num_tokens): "

@@ -109,7 +109,14 @@ def _has_tokenizer(directory: Path) -> bool:
     return any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
 
 
-def check_checkpoint(directory, for_push: bool = False) -> dict:
+_UNTRAINED = (
+    "its mask token was never MARS-trained (config.json's `mars` has no `trained_steps`; MARSTrainer records it "
+    "when it saves), so MARS decoding would emit noise. Fine-tune with `hf_mars.MARSTrainer` first, or pass "
+    "force=True (`--force`) if you know the model was trained another way"
+)
+
+
+def check_checkpoint(directory, for_push: bool = False, force: bool = False) -> dict:
     """Raise a ValueError unless ``directory`` is a MARS checkpoint; return its ``config.mars``.
 
     Checks the MARS metadata in config.json and that the saved tokenizer has the mask token
@@ -132,6 +139,8 @@ def check_checkpoint(directory, for_push: bool = False) -> dict:
             f"{directory}: the tokenizer maps the mask token {mask_token!r} to id {found}, but config.json's "
             f"`mars.mask_token_id` is {mask_id}. Save the model and the tokenizer from the same `add_mask_token` call."
         )
+    if for_push and not force and not mars.get("trained_steps"):
+        raise _not_mars(directory, _UNTRAINED)
     if for_push:
         names = [p.name for p in directory.iterdir() if p.is_file()]
         if not any(n.endswith(".safetensors") for n in names):
@@ -582,7 +591,7 @@ def write_mars_extras(save_directory, model=None, tokenizer=None, training_args=
     return directory
 
 
-def save_for_hub(model, tokenizer, save_directory, training_args=None, **card_fields) -> Path:
+def save_for_hub(model, tokenizer, save_directory, training_args=None, force: bool = False, **card_fields) -> Path:
     """Save a MARS model as a Hub-ready folder: safetensors, tokenizer, config, MARS extras, model card.
 
     ``card_fields``: model_name, repo_id, base_model, datasets, license, language, tags,
@@ -601,6 +610,8 @@ def save_for_hub(model, tokenizer, save_directory, training_args=None, **card_fi
             f"The tokenizer has no mask token {mask!r} with id {mars['mask_token_id']} (config.mars): pass the "
             "tokenizer that `hf_mars.add_mask_token(model, tokenizer)` changed."
         )
+    if not force and not mars.get("trained_steps"):
+        raise _not_mars("This model", _UNTRAINED)
     if mars["mask_token_id"] >= model.get_input_embeddings().weight.shape[0]:
         raise ValueError("The mask token id is outside the model's embedding matrix; call `add_mask_token` again.")
     unknown = set(card_fields) - set(CARD_FIELDS)
@@ -657,7 +668,7 @@ def _is_connection_error(exc: BaseException) -> bool:
 
 
 def push_to_hub(directory, repo_id, private=None, revision=None, create_pr=False, token=None,
-                commit_message=DEFAULT_COMMIT_MESSAGE, dry_run=False):
+                commit_message=DEFAULT_COMMIT_MESSAGE, dry_run=False, force=False):
     """Upload a MARS checkpoint folder to ``repo_id`` (create_repo + upload_folder).
 
     Pickled files and trainer state are never committed (PUSH_IGNORE_PATTERNS). The token
@@ -668,7 +679,7 @@ def push_to_hub(directory, repo_id, private=None, revision=None, create_pr=False
     """
     validate_repo_id(repo_id)
     directory = Path(directory)
-    check_checkpoint(directory, for_push=True)
+    check_checkpoint(directory, for_push=True, force=force)
     files = upload_file_list(directory)
     if dry_run:
         return files
@@ -727,13 +738,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--commit-message", default=DEFAULT_COMMIT_MESSAGE)
     parser.add_argument("--token", default=None, help="Hub token (default: HF_TOKEN or `hf auth login`)")
     parser.add_argument("--dry-run", action="store_true", help="list the files that would be committed and exit")
+    parser.add_argument("--force", action="store_true",
+                        help="push even though config.json does not record MARS training (trained_steps)")
 
 
 def run(args) -> int:
     try:
         result = push_to_hub(args.directory, args.repo_id, private=args.private, revision=args.revision,
                              create_pr=args.create_pr, token=args.token, commit_message=args.commit_message,
-                             dry_run=args.dry_run)
+                             dry_run=args.dry_run, force=args.force)
     except (ValueError, RuntimeError) as e:
         print(f"hf-mars push: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ValueError) else 1

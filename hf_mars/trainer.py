@@ -8,6 +8,8 @@ targets, ``L = noisy CE + ar_weight * clean CE`` under "sequence" or "token" nor
 
 from __future__ import annotations
 
+import math
+
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,8 +138,8 @@ class MARSConfig(SFTConfig):
     def __post_init__(self):
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1 (the paper uses 4), got {self.block_size!r}.")
-        if self.ar_weight is None or float(self.ar_weight) < 0:
-            raise ValueError(f"ar_weight must be >= 0 (the paper uses 1.0), got {self.ar_weight!r}.")
+        if self.ar_weight is None or not math.isfinite(float(self.ar_weight)) or float(self.ar_weight) < 0:
+            raise ValueError(f"ar_weight must be a finite number >= 0 (the paper uses 1.0), got {self.ar_weight!r}.")
         self.ar_weight = float(self.ar_weight)
         if self.loss_normalization not in _NORMALIZATIONS:
             raise ValueError(
@@ -435,6 +437,14 @@ class MARSTrainer(SFTTrainer):
             local_den = is_target.sum()
         den = local_den.clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         loss = (noisy_num + args.ar_weight * clean_num) / den
+        if model.training and not bool(torch.isfinite(loss)):  # stop before the optimizer spreads NaN to every weight
+            bad = [name for name, v in (("noisy (mask) stream", noisy_num), ("clean (AR) stream", clean_num))
+                   if not bool(torch.isfinite(v))] or ["the normaliser"]
+            raise FloatingPointError(
+                f"MARS loss is not finite at step {self.state.global_step} ({' and '.join(bad)}: noisy={float(noisy_num)}, "
+                f"clean={float(clean_num)}). Lower the learning rate, check the data for empty targets, or train in "
+                "float32; the last saved checkpoint is intact (resume_from_checkpoint)."
+            )
         # like Trainer/SFTTrainer: the denominator counts every rank, and DDP averages the gradients across ranks
         if args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
@@ -518,6 +528,14 @@ class MARSTrainer(SFTTrainer):
             prediction_loss_only = True
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
+    def train(self, *args, **kwargs):
+        """SFTTrainer.train; afterwards ``config.mars["trained_steps"]`` records that the mask token was trained."""
+        output = super().train(*args, **kwargs)
+        if self.state.global_step > 0:
+            set_mars_metadata(self.accelerator.unwrap_model(self.model).config,
+                              trained_steps=int(self.state.global_step))
+        return output
+
     # ------------------------------------------------------------------ saving
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -527,6 +545,9 @@ class MARSTrainer(SFTTrainer):
         ``save_pretrained``, e.g. sharded FSDP state dicts) and `hf_mars.hub.write_mars_extras` adds the
         generation defaults, custom_generate/ and the model card.
         """
+        if self.state.global_step > 0:  # the mask token has been trained: MARS decoding is meaningful
+            set_mars_metadata(self.accelerator.unwrap_model(self.model).config,
+                              trained_steps=int(self.state.global_step))
         super().save_model(output_dir, _internal_call=True)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if self.args.should_save:

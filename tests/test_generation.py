@@ -201,7 +201,16 @@ def test_custom_generate_callable_and_scores(peaky):
     for t, (a, b) in enumerate(zip(out.scores, ref.scores)):
         live = out.mars_emitted_tokens > t  # rows still decoding (AR keeps scoring finished rows)
         torch.testing.assert_close(a[live], b[live], atol=1e-4, rtol=1e-4)
-        assert torch.isinf(a[~live]).all()
+        assert (a[~live].argmax(-1) == tok.pad_token_id).all() and (a[~live].amax(-1) == 0).all()
+    # transition scores: finite everywhere (AR gives finite values after a row's EOS too), equal on real tokens
+    P = enc.input_ids.shape[1]
+    ts = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+    ts_ref = model.compute_transition_scores(ref.sequences, ref.scores, normalize_logits=True)
+    assert torch.isfinite(ts).all()
+    real = out.sequences[:, P:] != tok.pad_token_id
+    assert (~real).any(), "some row must finish early for this check"
+    torch.testing.assert_close((ts * real).sum(1), (ts_ref * real).sum(1), atol=1e-4, rtol=1e-4)
+    assert torch.equal(ts[~real], torch.zeros_like(ts[~real]))
     multi = model.generate(**enc, max_new_tokens=10, mars_threshold=0.3, output_scores=True,
                            return_dict_in_generate=True)
     assert len(multi.scores) == multi.sequences.shape[1] - enc.input_ids.shape[1]

@@ -39,7 +39,7 @@ def _tiny_mars(seed=0):
     tok = build_char_tokenizer()
     model = tiny_qwen2(tok, seed=seed, hidden_size=32)
     add_mask_token(model, tok)
-    set_mars_metadata(model.config, block_size=BLOCK, ar_weight=1.0)
+    set_mars_metadata(model.config, block_size=BLOCK, ar_weight=1.0, trained_steps=1)  # as MARSTrainer saves it
     return model, tok
 
 

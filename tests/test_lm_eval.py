@@ -64,7 +64,7 @@ def test_lm_eval_hf_backend_uses_mars(tmp_path, monkeypatch):
     tok = build_char_tokenizer()
     model = tiny_qwen2(tok, seed=1, hidden_size=32)
     add_mask_token(model, tok)
-    set_mars_metadata(model.config, block_size=4, ar_weight=1.0)
+    set_mars_metadata(model.config, block_size=4, ar_weight=1.0, trained_steps=1)  # as MARSTrainer saves it
     ckpt = tmp_path / "ckpt"
     save_for_hub(model, tok, ckpt)
 

@@ -253,7 +253,7 @@ def test_checkpoint_records_mars_metadata(tmp_path):
     meta = json.loads((ckpt / "config.json").read_text())["mars"]
     tok = AutoTokenizer.from_pretrained(ckpt)
     assert meta == {"block_size": 3, "mask_token_id": tok.convert_tokens_to_ids("<|mask|>"),
-                    "mask_token": "<|mask|>", "ar_weight": 0.5}
+                    "mask_token": "<|mask|>", "ar_weight": 0.5, "trained_steps": 2}
     assert AutoConfig.from_pretrained(ckpt).mars == meta
     model = AutoModelForCausalLM.from_pretrained(ckpt)  # still a plain Qwen2 checkpoint
     assert type(model).__name__ == "Qwen2ForCausalLM"
