@@ -796,6 +796,9 @@ def run(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    for flag in ("num_prompts", "max_new_tokens", "repeats"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}.")
     if not Path(args.model).is_dir():
         raise ValueError(f"--model {args.model!r} is not a folder; pass a saved checkpoint directory.")
     tokenizer = AutoTokenizer.from_pretrained(args.model)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # sub-command -> (module, help). Each module defines `add_arguments(parser)` and `run(args) -> int | None`.
@@ -25,8 +26,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Run a sub-command. A user error (bad path, bad value, unwritable folder) is one line on stderr,
+    ``hf-mars <cmd>: error: ...``, and exit status 2; set HF_MARS_DEBUG=1 for the traceback."""
     args = build_parser().parse_args(argv)
-    rc = importlib.import_module(args._module).run(args)
+    try:
+        rc = importlib.import_module(args._module).run(args)
+    except (ValueError, OSError) as e:
+        if os.environ.get("HF_MARS_DEBUG"):
+            raise
+        print(f"hf-mars {args.command}: error: {e}", file=sys.stderr)
+        return 2
     return int(rc or 0)
 
 

@@ -374,6 +374,21 @@ def _resolve(args) -> None:
         args.timing_prompts = args.num_eval
 
 
+DEMO_MARKER = ".hf-mars-demo"
+
+
+def _prepare_output_dir(out: Path) -> Path:
+    """Create the output folder, or reuse one that a previous `hf-mars demo` made; refuse anything else."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output-dir {out} exists and is not a folder.")
+    if out.is_dir() and any(out.iterdir()) and not (out / DEMO_MARKER).is_file():
+        raise ValueError(f"--output-dir {out} is not empty and was not made by `hf-mars demo`; "
+                         "pass a new or empty folder (the demo never overwrites files it did not write).")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / DEMO_MARKER).write_text("written by hf-mars demo; its outputs here are replaced by the next run\n")
+    return out
+
+
 def run(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -394,9 +409,10 @@ def run(args) -> int:
     if not (base / "config.json").is_file():
         raise ValueError(f"No AR-SFT base checkpoint at {base}. Rebuild the shipped one with "
                          "`python examples/build_tiny_base.py`, or pass --base DIR.")
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    work = out / "_work"
+    out = _prepare_output_dir(Path(args.output_dir))
+    import tempfile
+
+    work = Path(tempfile.mkdtemp(prefix="_work-", dir=out))  # this run's own scratch folder, removed at the end
     set_seed(args.seed)
     B = args.block_size
 
@@ -514,6 +530,10 @@ def run(args) -> int:
     from hf_mars.hub import save_for_hub
 
     ckpt = out / "mars-checkpoint"
+    if ckpt.exists():  # a previous demo run's checkpoint: written fresh, so no stale file is ever pushed
+        import shutil
+
+        shutil.rmtree(ckpt)
     mars_model.generation_config.do_sample = False
     example = eval_examples[0]["messages"][0]["content"]
     save_for_hub(mars_model, tokenizer, ckpt, benchmark=report, mars_threshold=tau_star, mars_block_size=B,

@@ -138,15 +138,22 @@ def test_make_batches_left_pads_and_cycles():
     assert len(bench.make_batches([[1]] * 5, batch_size=2, pad_id=0)) == 3
 
 
-def test_bad_arguments(tmp_path, make_model):
+def test_bad_arguments(tmp_path, make_model, capsys):
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         bench.build_specs([1.5], ["sliding"], [], None, 16)
     with pytest.raises(ValueError, match="cache mode"):
         bench.build_specs([1.0], ["paged"], [], None, 16)
-    with pytest.raises(ValueError, match="not a folder"):
-        cli_main(["bench", "--model", str(tmp_path / "nope")])
+
+    from hf_mars.cli import main
+
+    def one_line_error(argv, match):  # a user error: one line on stderr, exit status 2, no traceback
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("hf-mars bench: error: ") and match in err and "Traceback" not in err
+
+    one_line_error(["bench", "--model", str(tmp_path / "nope")], "not a folder")
+    one_line_error(["bench", "--model", str(tmp_path / "nope"), "--num-prompts", "0"], "--num-prompts must be >= 1")
     model, tok = make_model(with_mask=False, hidden_size=32)
     model.save_pretrained(tmp_path / "plain")
     tok.save_pretrained(tmp_path / "plain")
-    with pytest.raises(ValueError, match="mask token"):
-        cli_main(["bench", "--model", str(tmp_path / "plain")])
+    one_line_error(["bench", "--model", str(tmp_path / "plain")], "mask token")

@@ -104,3 +104,29 @@ def test_quick_demo_checkpoint_generates(quick_run):
         ar = model.generate(**enc, max_new_tokens=16, do_sample=False)
         mars = model.generate(**enc, max_new_tokens=16, do_sample=False, mars=True, mars_threshold=1.0)
     assert torch.equal(ar, mars)
+
+
+def test_output_dir_is_never_clobbered(tmp_path, capsys):
+    from hf_mars.cli import main
+    from hf_mars.demo import DEMO_MARKER, _prepare_output_dir
+
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    (foreign / "_work").mkdir()
+    (foreign / "_work" / "data.txt").write_text("keep me too")
+    assert main(["demo", "--quick", "--output-dir", str(foreign)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hf-mars demo: error: ") and "not empty" in err and "Traceback" not in err
+    assert (foreign / "notes.txt").read_text() == "keep me" and (foreign / "_work" / "data.txt").is_file()
+    fresh = _prepare_output_dir(tmp_path / "new" / "run")  # created, and marked as the demo's
+    assert (fresh / DEMO_MARKER).is_file()
+    (fresh / "report.json").write_text("{}")
+    assert _prepare_output_dir(fresh) == fresh  # a previous demo run is reused
+    (tmp_path / "file").write_text("x")
+    assert main(["demo", "--quick", "--output-dir", str(tmp_path / "file")]) == 2
+
+
+def test_quick_demo_left_no_scratch_and_a_fresh_checkpoint(quick_run):
+    out, _ = quick_run
+    assert not [p for p in out.iterdir() if p.name.startswith("_work")]
