@@ -156,4 +156,5 @@ def test_bad_arguments(tmp_path, make_model, capsys):
     model, tok = make_model(with_mask=False, hidden_size=32)
     model.save_pretrained(tmp_path / "plain")
     tok.save_pretrained(tmp_path / "plain")
+    capsys.readouterr()
     one_line_error(["bench", "--model", str(tmp_path / "plain")], "mask token")
