@@ -801,12 +801,14 @@ def run(args):
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}.")
     if not Path(args.model).is_dir():
         raise ValueError(f"--model {args.model!r} is not a folder; pass a saved checkpoint directory.")
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device).eval()
-    meta = getattr(model.config, "mars", None) or {}
+    from transformers import AutoConfig
+
+    meta = getattr(AutoConfig.from_pretrained(args.model), "mars", None) or {}  # before loading any weights
     if "mask_token_id" not in meta:
         raise ValueError(f"{args.model} has no MARS mask token in config.json ('mars': {{'mask_token_id': ...}}); "
                          "train it with MARSTrainer or call hf_mars.add_mask_token first.")
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     from hf_mars.generation import enable_mars
 
     enable_mars(model)
