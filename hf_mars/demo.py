@@ -21,6 +21,7 @@ see ``examples/build_tiny_base.py``):
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -239,6 +240,44 @@ def train_ar_baseline(base_path, train_examples, args, work_dir):
 
 # ----------------------------------------------------------------------------- outputs
 
+def wilson_interval(hits: int, n: int, z: float = 1.96) -> list[float]:
+    """95% Wilson score interval of a proportion (well-behaved near 0 and 1, unlike the normal one)."""
+    if n == 0:
+        return [0.0, 1.0]
+    p = hits / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return [round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4)]
+
+
+def paired_comparison(a: list[bool], b: list[bool]) -> dict:
+    """Paired comparison of two scorings of the same questions: exact McNemar test and a 95% interval of a - b.
+
+    Only the discordant questions (right in one, wrong in the other) carry information; the interval's half
+    width says how small a difference this many questions can resolve.
+    """
+    n = len(a)
+    only_a = sum(x and not y for x, y in zip(a, b))
+    only_b = sum(y and not x for x, y in zip(a, b))
+    m = only_a + only_b
+    k = min(only_a, only_b)
+    p_value = 1.0 if m == 0 else min(1.0, 2 * sum(math.comb(m, i) for i in range(k + 1)) / 2 ** m)
+    diff = (only_a - only_b) / max(n, 1)
+    se = math.sqrt(max(m - (only_a - only_b) ** 2 / max(n, 1), 0.0)) / max(n, 1)
+    half = max(1.96 * se, 1.0 / max(n, 1))  # never claim more resolution than one question
+    verdict = (f"differs (p = {p_value:.3g})" if p_value < 0.05 else
+               f"no significant difference (p = {p_value:.2g}); with {n} paired questions the 95% interval of the "
+               f"difference is ±{100 * half:.1f} points, so smaller differences cannot be told from noise")
+    return {"n": n, "only_first_right": only_a, "only_second_right": only_b, "difference": round(diff, 4),
+            "difference_ci95": [round(diff - half, 4), round(diff + half, 4)], "p_value_mcnemar_exact": p_value,
+            "verdict": verdict}
+
+
+def _ci(acc: float, ci) -> str:
+    text = f"{100 * acc:.1f}%"
+    return text if not ci else text + f" ({100 * ci[0]:.1f}–{100 * ci[1]:.1f})"
+
+
 def pick_quality_threshold(mars_rows, margin=QUALITY_MARGIN):
     """The sweep entry with the most tokens per forward whose accuracy is within ``margin`` of tau = 1.0."""
     one = next(r for r in mars_rows if r["threshold"] >= 1.0)
@@ -286,14 +325,21 @@ def per_task_table(report) -> str:
 
 
 def speed_table(report) -> str:
-    lines = ["| mode | τ | tokens/forward | accuracy | batch-1 speed-up vs plain generate |", "|---|---|---|---|---|"]
-    lines.append(f"| AR-SFT baseline (plain generate) | – | 1.00 | {100 * report['ar_sft']['accuracy']:.1f}% | – |")
+    lines = ["| mode | τ | tokens/forward | accuracy (95% interval) | batch-1 speed-up vs plain generate |",
+             "|---|---|---|---|---|"]
+    a = report["ar_sft"]
+    lines.append(f"| AR-SFT baseline (plain generate) | – | 1.00 | {_ci(a['accuracy'], a.get('accuracy_ci95'))} | – |")
     for r in report["mars"]:
-        lines.append(f"| MARS | {r['threshold']:g} | {r['tokens_per_forward']:.2f} | {100 * r['accuracy']:.1f}% | "
-                     f"{r['speedup_vs_ar']:.2f}× |")
+        lines.append(f"| MARS | {r['threshold']:g} | {r['tokens_per_forward']:.2f} | "
+                     f"{_ci(r['accuracy'], r.get('accuracy_ci95'))} | {r['speedup_vs_ar']:.2f}× |")
     v = report["verify"]
-    lines.append(f"| MARS verify (lossless) | – | {v['tokens_per_forward']:.2f} | {100 * v['accuracy']:.1f}% | "
-                 f"{v['speedup_vs_ar']:.2f}× |")
+    lines.append(f"| MARS verify (lossless) | – | {v['tokens_per_forward']:.2f} | "
+                 f"{_ci(v['accuracy'], v.get('accuracy_ci95'))} | {v['speedup_vs_ar']:.2f}× |")
+    paired = report.get("paired_tau1_vs_ar_sft")
+    if paired:
+        lines += ["", f"MARS τ = 1 against AR-SFT on the same {paired['n']} questions: "
+                      f"{100 * paired['difference']:+.1f} points ({paired['only_first_right']} right only with MARS, "
+                      f"{paired['only_second_right']} only with AR-SFT); {paired['verdict']}."]
     lines += ["", "| batch size | mode | cache | speed-up vs plain generate |", "|---|---|---|---|"]
     for r in report["batch_speedup"]:
         mode = "verify" if r.get("mode") == "verify" else f"τ={r['threshold']:g}"
@@ -443,7 +489,14 @@ def run(args) -> int:
         verify_res = _per_task_tpf(eval_examples, mars_model, tokenizer, eval_bs, bar,
                                    **_mars_kwargs(args.verify_threshold, B, verify=True))
 
+    from hf_mars.data import score
+
+    def hits(predictions):  # per-question correctness, for intervals and the paired test
+        return [score(ex["task"], p, ex["messages"][1]["content"]) for ex, p in zip(eval_examples, predictions)]
+
+    ar_hits, tau1_hits = hits(ar_res["predictions"]), hits(sweep[1.0]["predictions"])
     mars_rows = [{"threshold": tau, "accuracy": sweep[tau]["accuracy"],
+                  "accuracy_ci95": wilson_interval(sum(hits(sweep[tau]["predictions"])), n_eval),
                   "tokens_per_forward": sweep[tau]["tokens_per_forward"]} for tau in THRESHOLDS]
     chosen = pick_quality_threshold(mars_rows)
     tau_star = chosen["threshold"]
@@ -494,11 +547,15 @@ def run(args) -> int:
     report = {
         "block_size": B,
         "quick": bool(args.quick),
-        "ar_sft": {"accuracy": ar_res["accuracy"], "tokens_per_forward": 1.0, "train_seconds": round(ar_train_s, 1)},
+        "ar_sft": {"accuracy": ar_res["accuracy"], "accuracy_ci95": wilson_interval(sum(ar_hits), n_eval),
+                   "tokens_per_forward": 1.0, "train_seconds": round(ar_train_s, 1)},
+        "paired_tau1_vs_ar_sft": paired_comparison(tau1_hits, ar_hits),
         "mars_greedy": {"accuracy": greedy_res["accuracy"],
                         "identical_to_tau_1": greedy_res["predictions"] == sweep[1.0]["predictions"]},
         "mars": mars_rows,
-        "verify": {"accuracy": verify_res["accuracy"], "tokens_per_forward": verify_res["tokens_per_forward"],
+        "verify": {"accuracy": verify_res["accuracy"],
+                   "accuracy_ci95": wilson_interval(sum(hits(verify_res["predictions"])), n_eval),
+                   "tokens_per_forward": verify_res["tokens_per_forward"],
                    "speedup_vs_ar": timings[1]["ar"] / timings[1]["verify"],
                    "draft_threshold": args.verify_threshold,
                    "identical_to_greedy": verify_res["predictions"] == greedy_res["predictions"]},

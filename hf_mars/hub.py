@@ -391,10 +391,13 @@ def _benchmark_table(report) -> dict:
             accs.append(report[key].get("accuracy"))
     fraction = all(a is None or a <= 1.0 for a in accs)
 
-    def acc(value):
+    def acc(value, ci=None):
         if value is None:
             return "–"
-        return f"{100 * value:.1f}%" if fraction else f"{value:.1f}"
+        text = f"{100 * value:.1f}%" if fraction else f"{value:.1f}"
+        if fraction and isinstance(ci, (list, tuple)) and len(ci) == 2:
+            text += f" ({100 * ci[0]:.1f}–{100 * ci[1]:.1f})"
+        return text
 
     def num(value, suffix=""):
         return "–" if value is None else f"{float(value):.2f}{suffix}"
@@ -403,7 +406,8 @@ def _benchmark_table(report) -> dict:
     if isinstance(report.get("ar_sft"), dict):
         r = report["ar_sft"]
         rows.append({"name": "AR SFT baseline (a separate AR-trained model)", "threshold": "–",
-                     "accuracy": acc(r.get("accuracy")), "tokens_per_forward": num(r.get("tokens_per_forward", 1.0)),
+                     "accuracy": acc(r.get("accuracy"), r.get("accuracy_ci95")),
+                     "tokens_per_forward": num(r.get("tokens_per_forward", 1.0)),
                      "speedup": num(r.get("speedup_vs_ar"), "×")})
     if isinstance(report.get("ar"), dict):
         r = report["ar"]
@@ -412,15 +416,22 @@ def _benchmark_table(report) -> dict:
                      "speedup": num(r.get("speedup_vs_ar", 1.0), "×")})
     for e in sorted(entries, key=lambda e: -float(e["threshold"])):
         rows.append({"name": "MARS" + (" (one-token mode)" if float(e["threshold"]) >= 1.0 else ""),
-                     "threshold": _fmt(float(e["threshold"])), "accuracy": acc(e.get("accuracy")),
+                     "threshold": _fmt(float(e["threshold"])), "accuracy": acc(e.get("accuracy"), e.get("accuracy_ci95")),
                      "tokens_per_forward": num(e.get("tokens_per_forward")), "speedup": num(e.get("speedup_vs_ar"), "×")})
     if isinstance(report.get("verify"), dict):
         r = report["verify"]
         rows.append({"name": "MARS verify (lossless, `mars_verify=True`)",
                      "threshold": _fmt(r["threshold"]) if r.get("threshold") is not None else "–",
-                     "accuracy": acc(r.get("accuracy")), "tokens_per_forward": num(r.get("tokens_per_forward")),
+                     "accuracy": acc(r.get("accuracy"), r.get("accuracy_ci95")),
+                     "tokens_per_forward": num(r.get("tokens_per_forward")),
                      "speedup": num(r.get("speedup_vs_ar"), "×")})
     notes = []
+    if any("accuracy_ci95" in (e if isinstance(e, dict) else {}) for e in entries):
+        notes.append("Accuracy in brackets: 95% Wilson interval over the held-out questions.")
+    paired = report.get("paired_tau1_vs_ar_sft")
+    if isinstance(paired, dict) and paired.get("verdict"):
+        notes.append(f"One-token MARS (τ = 1) against the AR-SFT baseline on the same {paired.get('n')} questions "
+                     f"(paired, exact McNemar test): {paired['verdict']}.")
     for key, label in (("task", "Task"), ("num_examples", "Examples"), ("max_new_tokens", "max_new_tokens"),
                        ("device", "Device"), ("command", "Reproduce with")):
         if report.get(key) is not None:

@@ -48,6 +48,11 @@ def _frac(x):
 def test_quick_demo_report(quick_run):
     out, stdout = quick_run
     report = json.loads((out / "report.json").read_text())
+    paired = report["paired_tau1_vs_ar_sft"]  # honest figures: intervals and a paired test, not a bare headline
+    assert paired["n"] == report["num_examples"] and 0.0 <= paired["p_value_mcnemar_exact"] <= 1.0
+    for row in report["mars"] + [report["ar_sft"], report["verify"]]:
+        lo, hi = row["accuracy_ci95"]
+        assert lo <= row["accuracy"] <= hi
     assert isinstance(report["block_size"], int) and report["block_size"] == 4
     assert _frac(report["ar_sft"]["accuracy"])
     assert [r["threshold"] for r in report["mars"]] == list(THRESHOLDS)
@@ -130,3 +135,18 @@ def test_output_dir_is_never_clobbered(tmp_path, capsys):
 def test_quick_demo_left_no_scratch_and_a_fresh_checkpoint(quick_run):
     out, _ = quick_run
     assert not [p for p in out.iterdir() if p.name.startswith("_work")]
+
+
+def test_intervals_and_paired_test():
+    from hf_mars.demo import paired_comparison, wilson_interval
+
+    lo, hi = wilson_interval(307, 320)
+    assert 0.93 < lo < 0.935 and 0.975 < hi < 0.977  # 95.9% of 320
+    assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(10, 10)[1] == 1.0
+    # 6 discordant questions all one way: exact two-sided McNemar p = 2 / 2**6
+    a, b = [True] * 6 + [True] * 10, [False] * 6 + [True] * 10
+    res = paired_comparison(a, b)
+    assert res["only_first_right"] == 6 and res["only_second_right"] == 0
+    assert abs(res["p_value_mcnemar_exact"] - 2 / 64) < 1e-12 and res["verdict"].startswith("differs")
+    same = paired_comparison([True, False] * 50, [True, False] * 50)
+    assert same["p_value_mcnemar_exact"] == 1.0 and "cannot be told from noise" in same["verdict"]
