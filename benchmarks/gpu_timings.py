@@ -1,4 +1,4 @@
-"""Prepared GPU check (issue 3, item 8): step costs and loop overhead on random Qwen2.5-shaped models in bf16.
+"""Prepared GPU check: step costs and loop overhead on random Qwen2.5-shaped models in bf16.
 
 No weights are needed (shapes are enough for timing). For Qwen2.5-0.5B and -7B shapes it measures,
 at batch 1, 4 and 16 over a ~512-position cache:

@@ -29,7 +29,7 @@ from pathlib import Path
 THRESHOLDS = (1.0, 0.99, 0.98, 0.95, 0.9, 0.8, 0.7, 0.5)
 BATCH_SIZES = (1, 4, 16)
 CACHES = ("sliding", "block")
-QUALITY_MARGIN = 0.015  # "quality-keeping": within 1.5 accuracy points of tau = 1.0 (the target)
+QUALITY_MARGIN = 0.015  # "quality-keeping": within 1.5 accuracy points of tau = 1.0 (our quality-keeping criterion)
 MAX_NEW_TOKENS = 64  # the longest bundled answer is ~50 characters
 
 

@@ -17,7 +17,7 @@ Three ways in, one decoding loop:
   (``from_pretrained(..., trust_remote_code=True)`` or ``generate(custom_generate=dir)``);
   it behaves like ``enable_mars``'d generate.
 
-One step (spec section 2): feed each row's not-yet-cached committed tokens plus
+One step (docs/method.md in the hf-mars repository, section 2): feed each row's not-yet-cached committed tokens plus
 ``B`` mask tokens. Candidate 0 is the ordinary AR next token (position before
 the masks); candidate ``j`` is read from mask ``j``. Candidates are accepted
 left to right while their confidence is >= tau; the first failure stops the

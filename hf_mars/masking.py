@@ -1,7 +1,7 @@
 """The MARS training input: the noisy stream and the [noisy ; clean] attention rule.
 
 A MARS training forward runs on the concatenation ``[z ; x]`` (length ``2n``) with position ids
-``[pos ; pos]``. Query -> key is allowed when (spec, section 1):
+``[pos ; pos]``. Query -> key is allowed when (docs/method.md, section 1):
 
 =========  =========  ==========================================
 query      key        allowed when

@@ -2,7 +2,7 @@
 
 The trainer keeps everything SFTTrainer does (dataset formats, completion-only / assistant-only loss,
 packing, padding-free, PEFT, accelerate launchers) and replaces the loss by the MARS objective
-(spec, section 1): one forward over ``[z ; x]`` with the four-rule attention mask, AR-aligned
+(docs/method.md, section 1): one forward over ``[z ; x]`` with the four-rule attention mask, AR-aligned
 targets, ``L = noisy CE + ar_weight * clean CE`` under "sequence" or "token" normalisation.
 """
 
@@ -397,7 +397,7 @@ class MARSTrainer(SFTTrainer):
         return count / (self.get_tp_size() * self.get_cp_size() * self.get_sp_size())
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The MARS loss of one collated batch (see the module docstring and spec section 1)."""
+        """The MARS loss of one collated batch (see the module docstring and docs/method.md, section 1)."""
         mode = "train" if self.model.training else "eval"
         args = self.args
         block_size = args.block_size
@@ -471,7 +471,7 @@ class MARSTrainer(SFTTrainer):
         entropy = outputs.entropy
         # Offset j of a noisy prediction at p: its distance from the last real token it sees (the clean prefix
         # before its block, or an unmasked token inside it). Mask j predicts the token j+1 after that context,
-        # i.e. candidate j of inference (spec section 2). Offset 0 (p itself unmasked) is an AR-like prediction.
+        # i.e. candidate j of inference (docs/method.md, section 2). Offset 0 (p itself unmasked) is an AR-like prediction.
         idx = torch.arange(n, device=targets.device).expand(b, n)
         block_start = idx - torch.remainder(position_ids, block_size)
         real = (labels == -100) & valid

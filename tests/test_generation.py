@@ -2,7 +2,7 @@
 
 The strongest checks: tau = 1 and verify mode reproduce plain greedy token for token on a
 left-padded batch, and batched cached decoding equals a naive per-row, cache-free
-re-implementation of the spec (which exercises ragged per-row acceptance).
+re-implementation of the method (docs/method.md) (which exercises ragged per-row acceptance).
 """
 
 import math
@@ -116,7 +116,7 @@ def test_verify_equals_greedy_flat_model_batch1(flat):
 
 
 def _naive_mars(model, ids, mask_id, B, tau, max_new, eos, cache="sliding", C=16, last=False):
-    """The spec, literally: one row, no cache, full forward over [committed | masks] per step."""
+    """The method (docs/method.md), literally: one row, no cache, full forward over [committed | masks] per step."""
     x, n, forwards = list(ids), 0, 0
     K = B + 1 if last else B
     while n < max_new:

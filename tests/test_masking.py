@@ -1,4 +1,4 @@
-"""The MARS attention rule: against a brute-force construction, and the spec's consistency property."""
+"""The MARS attention rule: against a brute-force construction, and the method's consistency property (docs/method.md)."""
 
 import random
 
@@ -16,7 +16,7 @@ from hf_mars.masking import (
 
 
 def brute_force(layout, block_size):
-    """Rule table straight from the spec, from an explicit per-token layout.
+    """Rule table straight from docs/method.md, from an explicit per-token layout.
 
     ``layout[i] = (sequence, position)`` or None for padding. Returns a (2n, 2n) bool list of lists.
     """
@@ -137,7 +137,7 @@ def test_block_size_must_be_positive():
         mars_allowed(torch.tensor([[0, 1]]), 0)
 
 
-# ---------------------------------------------------------------- the spec's consistency property
+# ---------------------------------------------------------------- the method's consistency property (docs/method.md)
 
 
 def _plain_logits(model, ids):

@@ -74,7 +74,7 @@ def split_sequences(batch):
 
 
 def reference_loss(model, batch, block_size, mask_id, ar_weight, normalization):
-    """One plain causal forward per target token and stream, straight from the spec."""
+    """One plain causal forward per target token and stream, straight from docs/method.md."""
     per_seq = []
     for ids, labels in split_sequences(batch):
         labels = [-100] + labels[1:]  # the first token of a sequence is never a target
