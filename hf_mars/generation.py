@@ -339,7 +339,7 @@ class _MARSDecoder:
         self.streamer = streamer
         self.device = input_ids.device
         b, P = input_ids.shape
-        self.b, self.P = b, P
+        self.batch, self.prompt_len = b, P
 
         # --- processors and stopping criteria (prepared by generate; reused, never rebuilt) ---
         # SuppressTokens processors (enable_mars adds one for the mask) are folded into one in-place -inf
@@ -391,14 +391,14 @@ class _MARSDecoder:
 
         # --- geometry ---
         B = opts.block_size
-        self.B = B
-        self.K = B + 1 if opts.use_last_mask else B  # candidates per step (AR + masks)
+        self.block_size = B
+        self.candidates = B + 1 if opts.use_last_mask else B  # candidates per step (AR + masks)
         self.one_token = opts.tau >= 1.0
         self.block = opts.cache in ("block", "block_trained")
-        self.C = opts.cache_block
+        self.chunk = opts.cache_block
         # verify mode: drafts per step come from the masks (B - 1, or B with the last mask)
-        self.Kd = (self.K - 1) if not self.one_token else 0
-        max_slots = (self.Kd + 1 + self.Kd) if opts.verify else self.K
+        self.max_drafts = (self.candidates - 1) if not self.one_token else 0
+        max_slots = (self.max_drafts + 1 + self.max_drafts) if opts.verify else self.candidates
         self.buf_len = P + max(self.max_new, 0) + max_slots + 2
 
         # --- token buffer: prompt | generated (pad-filled: finished rows read like AR's padded rows) ---
@@ -424,15 +424,15 @@ class _MARSDecoder:
         self.extra_forward_kwargs = {k: v for k, v in model_kwargs.items() if k not in _LOOP_KWARGS}
         self.supports_logits_to_keep = model._supports_logits_to_keep()
         # positions reach prompt + generated + one chunk of drafts/masks
-        self.arange = torch.arange(self.buf_len + 2 * (self.C + self.K) + 8, device=self.device)
+        self.arange = torch.arange(self.buf_len + 2 * (self.chunk + self.candidates) + 8, device=self.device)
         self.mask_col = torch.full((1, 1), opts.mask_token_id, dtype=torch.long, device=self.device)
 
         # --- per-row state: python mirrors (one host sync per step) + device tensors ---
-        self.n = [0] * b  # emitted tokens
-        self.cached = [-P] * b  # generated index of the first token not in the cache (-P: prompt not fed yet)
-        self.unf = [True] * b
-        self.m = [0] * b  # block cache: tokens accepted in the current chunk
-        self.d = [0] * b  # verify: pending drafts (stored in `seq` right after the committed tokens)
+        self.emitted = [0] * b  # emitted tokens
+        self.fed = [-P] * b  # generated index of the first token not in the cache (-P: prompt not fed yet)
+        self.unfinished = [True] * b
+        self.in_chunk = [0] * b  # block cache: tokens accepted in the current chunk
+        self.pending = [0] * b  # verify: pending drafts (stored in `seq` right after the committed tokens)
         self.chunk_start = True
         self.q_drafts = None  # verify + sampling: distributions the pending drafts were drawn from
         self.forwards = torch.zeros(b, dtype=torch.long, device=self.device)
@@ -448,36 +448,36 @@ class _MARSDecoder:
         u: uncached committed tokens to feed, d: pending drafts (verify), nm: masks, nslot: candidate slots.
         A row is active when it may accept tokens this step (unfinished, and not waiting for its chunk).
         """
-        b, opts = self.b, self.opts
+        b, opts = self.batch, self.opts
         max_accept = opts.max_accept or self.max_new
         u, d, nm, nslot, active = [0] * b, [0] * b, [0] * b, [0] * b, [False] * b
         for r in range(b):
-            if not self.unf[r] or (self.block and not self.chunk_start and self.m[r] >= self.C):
+            if not self.unfinished[r] or (self.block and not self.chunk_start and self.in_chunk[r] >= self.chunk):
                 continue
             active[r] = True
-            rem = self.max_new - self.n[r]
-            u[r] = self.n[r] - self.cached[r]
+            rem = self.max_new - self.emitted[r]
+            u[r] = self.emitted[r] - self.fed[r]
             if opts.cache == "block":
-                nm[r] = self.C - self.m[r]
+                nm[r] = self.chunk - self.in_chunk[r]
             else:
                 # candidates read masks 1..K-1 only, and under causal attention a later mask changes nothing
                 # before it: feed K-1 masks (B-1 by default; none in one-token mode, an exact AR step)
-                nm[r] = 0 if (self.one_token and not self.block and not opts.verify) else self.K - 1
+                nm[r] = 0 if (self.one_token and not self.block and not opts.verify) else self.candidates - 1
             if opts.verify:
-                d[r] = self.d[r]
+                d[r] = self.pending[r]
                 # new drafts + the AR token must fit the length limit and the per-step cap
-                kd = min(self.Kd, max(0, rem - d[r] - 2), max_accept - 1)
+                kd = min(self.max_drafts, max(0, rem - d[r] - 2), max_accept - 1)
                 nslot[r] = d[r] + 1 + kd
             else:
-                sr = 1 if self.one_token else 1 + min(self.K - 1, nm[r])
+                sr = 1 if self.one_token else 1 + min(self.candidates - 1, nm[r])
                 if self.block:
-                    sr = min(sr, self.C - self.m[r])
+                    sr = min(sr, self.chunk - self.in_chunk[r])
                 nslot[r] = min(sr, rem, max_accept)
         return u, d, nm, nslot, active
 
     def step(self):
-        b, P, opts, dev = self.b, self.P, self.opts, self.device
-        first = self.cached[0] == -P
+        b, P, opts, dev = self.batch, self.prompt_len, self.opts, self.device
+        first = self.fed[0] == -P
         u, d, nm, nslot, active = self._plan()
         rows = [r for r in range(b) if active[r]]
         lens = [u[r] + d[r] + nm[r] for r in range(b)]
@@ -486,7 +486,7 @@ class _MARSDecoder:
         uniform = len({(nm[r], d[r]) for r in rows}) == 1
         start = content_len = None
         if b > 1:  # every per-row count this step needs, in one host->device copy
-            meta = torch.tensor([lens, [u[r] + d[r] for r in range(b)], self.cached, self.unf, self.n, nslot, active],
+            meta = torch.tensor([lens, [u[r] + d[r] for r in range(b)], self.fed, self.unfinished, self.emitted, nslot, active],
                                 dtype=torch.long, device=dev)
             lens_t, content_len, cached_t, unf_t, n_t, nslot_t, active_l = meta.unbind(0)
 
@@ -498,7 +498,7 @@ class _MARSDecoder:
             col_real = None if self.prompt_attn is None else torch.cat(
                 [self.prompt_attn.bool(), torch.ones(b, T - P, dtype=torch.bool, device=dev)], dim=1)
         elif b == 1:  # no padding ever: plain slices
-            T, c = lens[0], self.cached[0]
+            T, c = lens[0], self.fed[0]
             inp = self.seq[:, P + c:P + c + u[0] + d[0]]
             if nm[0]:
                 inp = torch.cat([inp, self.mask_col.expand(1, nm[0])], dim=1)
@@ -550,7 +550,7 @@ class _MARSDecoder:
         raw_logits = slot_logits.clone() if self.output_logits else None  # output_logits: before any processing
         slot_logits[..., self.suppress_index] = -math.inf  # the mask token is never emitted
         if b == 1:
-            n0 = self.n[0]
+            n0 = self.emitted[0]
             slot_pos = self.arange[P + n0:P + n0 + S][None]  # where slot s's token lives in `seq`
             valid = active_t = None  # the single row is active and all its slots are valid
         else:
@@ -571,7 +571,7 @@ class _MARSDecoder:
             if opts.verify:
                 acc, newd = self._accept_verify(scores, chosen, forced, forced_mask, valid, d, slot_pos, active_t, S,
                                                 d[rows[0]] if uniform else None)
-                emitted = self.seq[:, P + self.n[0]:P + self.n[0] + S] if b == 1 else self.seq.gather(1, slot_pos)
+                emitted = self.seq[:, P + self.emitted[0]:P + self.emitted[0] + S] if b == 1 else self.seq.gather(1, slot_pos)
             else:
                 acc, newd = self._accept_threshold(scores, chosen, valid), None
                 emitted = chosen
@@ -587,7 +587,7 @@ class _MARSDecoder:
                 stop = hit if stop is None else stop | hit
         if self.records is not None:
             self.records.append((scores if self.output_scores else None,
-                                 raw_logits, list(self.n), acc))
+                                 raw_logits, list(self.emitted), acc))
 
         # ---- the one host sync of the step
         parts = [acc]
@@ -599,7 +599,7 @@ class _MARSDecoder:
         acc_l = host[:b]
         stop_l = host[b:2 * b] if stop is not None else [0] * b
         newd_l = host[-b:] if newd is not None else None
-        fin_l = [active[r] and (bool(stop_l[r]) or self.n[r] + acc_l[r] >= self.max_new) for r in range(b)]
+        fin_l = [active[r] and (bool(stop_l[r]) or self.emitted[r] + acc_l[r] >= self.max_new) for r in range(b)]
 
         # ---- cache: drop the masks (block steps inside a chunk: everything fed, back to the frozen prefix)
         keep_cols = T - max(nm)  # the masks are the last columns whenever anything is kept
@@ -635,33 +635,33 @@ class _MARSDecoder:
         runs = []
         for r in range(b):
             a = acc_l[r] if active[r] else 0
-            if keep_cols and self.unf[r]:
+            if keep_cols and self.unfinished[r]:
                 if first:
-                    self.cached[r] = 0
+                    self.fed[r] = 0
                 elif opts.verify:
-                    self.cached[r] = self.n[r] + max(a - 1, 0)  # accepted drafts are cached, the AR token is not
+                    self.fed[r] = self.emitted[r] + max(a - 1, 0)  # accepted drafts are cached, the AR token is not
                 else:
-                    self.cached[r] = self.n[r]
-            runs.append((self.n[r], a))
-            self.n[r] += a
+                    self.fed[r] = self.emitted[r]
+            runs.append((self.emitted[r], a))
+            self.emitted[r] += a
             if self.block:
-                self.m[r] += a
+                self.in_chunk[r] += a
             if opts.verify:
-                self.d[r] = 0 if fin_l[r] else newd_l[r]
+                self.pending[r] = 0 if fin_l[r] else newd_l[r]
             if fin_l[r]:
-                self.unf[r] = False
+                self.unfinished[r] = False
         if any(fin_l):  # finished rows read as pads from here on, like AR's finished rows
             fin_t = torch.tensor(fin_l, dtype=torch.bool, device=dev)
-            n_new = torch.tensor(self.n, dtype=torch.long, device=dev)
+            n_new = torch.tensor(self.emitted, dtype=torch.long, device=dev)
             tail = self.arange[:self.buf_len][None, :] >= (P + n_new)[:, None]
             self.seq.masked_fill_(fin_t[:, None] & tail, self.pad)
         if self.block:
-            self.chunk_start = all((not self.unf[r]) or self.m[r] >= self.C for r in range(b))
+            self.chunk_start = all((not self.unfinished[r]) or self.in_chunk[r] >= self.chunk for r in range(b))
             if self.chunk_start:
-                self.m = [0] * b
+                self.in_chunk = [0] * b
         if self.streamer is not None:
             self._stream(runs)
-        return any(self.unf)
+        return any(self.unfinished)
 
     # ---------------------------------------------------------------- processing candidates
     def _choose(self, scores):
@@ -677,7 +677,7 @@ class _MARSDecoder:
         0..s-1 (drafts where forced, chosen tokens otherwise): exactly what AR decoding would pass. The
         tokens are written into `seq` at their positions (inactive rows keep pads there).
         """
-        b, P = self.b, self.P
+        b, P = self.batch, self.prompt_len
         if all(isinstance(p, _HISTORY_FREE_PROCESSORS) for p in chain):
             scores = slot_logits
             if len(chain) > 0:
@@ -694,7 +694,7 @@ class _MARSDecoder:
         # (processors may hold per-row state); rows outside the group are discarded.
         groups = {}
         for r in rows:
-            groups.setdefault(self.n[r], []).append(r)
+            groups.setdefault(self.emitted[r], []).append(r)
         group_rows = {g: torch.tensor(rs, device=self.device) for g, rs in groups.items()}
         scores = torch.empty_like(slot_logits)
         chosen = torch.zeros(slot_logits.shape[:2], dtype=torch.long, device=self.device)
@@ -732,7 +732,7 @@ class _MARSDecoder:
         """Candidate 0 always; then left to right while confidence >= tau (first failure stops)."""
         S = scores.shape[1]
         if self.one_token or S == 1:
-            return self.one.expand(self.b) if valid is None else valid[:, 0].long()
+            return self.one.expand(self.batch) if valid is None else valid[:, 0].long()
         ok = self._confidence(scores[:, 1:], chosen[:, 1:]) >= self.opts.tau
         if valid is not None:
             ok &= valid[:, 1:]
@@ -746,7 +746,7 @@ class _MARSDecoder:
         (accept with probability min(1, p/q), on rejection resample from normalised max(p - q, 0)), so the
         output is distributed exactly as AR sampling.
         """
-        b, dev = self.b, self.device
+        b, dev = self.batch, self.device
         Dm = max(d)
         probs = None
         if Dm == 0:
@@ -787,18 +787,18 @@ class _MARSDecoder:
     def _propose_drafts(self, scores, chosen, probs, valid, d, S, d_uniform):
         """Drafts for the next step: the mask slots after each row's AR token, truncated at the first one whose
         distribution is less confident than tau. With sampling, remembers the distributions they were drawn from."""
-        b, dev = self.b, self.device
-        if not (self.Kd > 0 and S > max(d) + 1):
+        b, dev = self.batch, self.device
+        if not (self.max_drafts > 0 and S > max(d) + 1):
             return torch.zeros(b, dtype=torch.long, device=dev)
         if d_uniform is not None:  # every active row has its mask slots at the same place: slice
             lo = d_uniform + 1
-            mscores = scores[:, lo:lo + self.Kd]
-            mprobs = probs[:, lo:lo + self.Kd] if probs is not None else torch.softmax(mscores, dim=-1)
-            in_range = None if valid is None else valid[:, lo:lo + self.Kd]
-            mtok = chosen[:, lo:lo + self.Kd]
+            mscores = scores[:, lo:lo + self.max_drafts]
+            mprobs = probs[:, lo:lo + self.max_drafts] if probs is not None else torch.softmax(mscores, dim=-1)
+            in_range = None if valid is None else valid[:, lo:lo + self.max_drafts]
+            mtok = chosen[:, lo:lo + self.max_drafts]
         else:
             d_t = torch.tensor(d, dtype=torch.long, device=dev)
-            idx_raw = (d_t + 1)[:, None] + self.arange[:self.Kd][None]
+            idx_raw = (d_t + 1)[:, None] + self.arange[:self.max_drafts][None]
             idx = idx_raw.clamp(max=S - 1)
             in_range = idx_raw < S
             if valid is not None:
@@ -848,9 +848,9 @@ class _MARSDecoder:
         threshold: accepted on the copies' scores, which the real call must reproduce).
         Returns (scores, accepted count, stopped, new drafts or None).
         """
-        b, P, dev, opts = self.b, self.P, self.device, self.opts
+        b, P, dev, opts = self.batch, self.prompt_len, self.device, self.opts
         live = torch.ones(b, dtype=torch.bool, device=dev) if active_t is None else active_t.clone()
-        n = self.n[rows[0]]
+        n = self.emitted[rows[0]]
         d0 = d[rows[0]] if opts.verify else 0
         scores = chosen = None
         if opts.verify:
@@ -928,10 +928,10 @@ class _MARSDecoder:
 
     def _other_criteria(self, acc, S, rows, scores):
         """Stopping criteria beyond EOS / length, checked after each accepted token on the exact AR history."""
-        b, P = self.b, self.P
+        b, P = self.batch, self.prompt_len
         groups = {}
         for r in rows:
-            groups.setdefault(self.n[r], []).append(r)
+            groups.setdefault(self.emitted[r], []).append(r)
         stop_at = torch.full((b,), S + 1, dtype=torch.long, device=self.device)
         for i in range(1, S + 1):
             for g, rs in groups.items():
@@ -945,54 +945,54 @@ class _MARSDecoder:
         return torch.where(stop, stop_at, acc), stop
 
     def _stream(self, runs):
-        if self.b == 1:
+        if self.batch == 1:
             start, a = runs[0]
             if a:
-                self.streamer.put(self.seq[0, self.P + start:self.P + start + a].cpu())
+                self.streamer.put(self.seq[0, self.prompt_len + start:self.prompt_len + start + a].cpu())
             return
         width = max(a for _, a in runs)
         if width == 0:
             return
-        block = torch.full((self.b, width), self.pad, dtype=torch.long)
+        block = torch.full((self.batch, width), self.pad, dtype=torch.long)
         cpu = self.seq.cpu()
         for r, (start, a) in enumerate(runs):
-            block[r, :a] = cpu[r, self.P + start:self.P + start + a]
+            block[r, :a] = cpu[r, self.prompt_len + start:self.prompt_len + start + a]
         self.streamer.put(block)
 
     # ---------------------------------------------------------------- results
     def run(self):
         if self.max_new <= 0:
-            return self.seq[:, :self.P]
+            return self.seq[:, :self.prompt_len]
         with torch.no_grad():
             while self.step():
                 pass
-        return self.seq[:, :self.P + max(self.n)]
+        return self.seq[:, :self.prompt_len + max(self.emitted)]
 
     def assemble(self, which):
         """One (b, V) tensor per emitted position, from the per-step records."""
         if not self.records:
             return None
-        T = max(self.n)
+        T = max(self.emitted)
         if T == 0:
             return ()
         V = None
-        per_row = [[] for _ in range(self.b)]
+        per_row = [[] for _ in range(self.batch)]
         for rec in self.records:
             tensor = rec[which]
             if tensor is None:
                 return None
             V = tensor.shape[-1]
             a_l = rec[3].tolist()
-            for r in range(self.b):
+            for r in range(self.batch):
                 if a_l[r] > 0:
                     per_row[r].append(tensor[r, :a_l[r]])
         # positions after a row finished hold a distribution certain of the pad token (the token the sequence
         # holds there), like plain generate's finite scores: transition scores are 0 there, never NaN
-        out = torch.full((self.b, T, V), -math.inf, device=self.device)
+        out = torch.full((self.batch, T, V), -math.inf, device=self.device)
         out[:, :, self.pad] = 0.0
-        for r in range(self.b):
+        for r in range(self.batch):
             if per_row[r]:
-                rows = torch.cat(per_row[r])[: self.n[r]]
+                rows = torch.cat(per_row[r])[: self.emitted[r]]
                 out[r, :rows.shape[0]] = rows
         return tuple(out.unbind(1))
 
@@ -1111,7 +1111,7 @@ def mars_generate(
         scores=decoder.assemble(0) if decoder.output_scores else None,
         logits=decoder.assemble(1) if decoder.output_logits else None,
         mars_forward_passes=decoder.forwards.clone(),
-        mars_emitted_tokens=torch.tensor(decoder.n, dtype=torch.long, device=decoder.device),
+        mars_emitted_tokens=torch.tensor(decoder.emitted, dtype=torch.long, device=decoder.device),
         **{("cache" if "cache" in fields else "past_key_values"): clean_cache},
     )
 
