@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from hf_mars.generation import DEFAULT_VERIFY_THRESHOLD
+
 CACHE_MODES = ("sliding", "block", "block_trained")  # mars_cache values of hf_mars.generation
 
 # Small built-in prompt set, used when no prompt file is given and the demo data is not available.
@@ -494,7 +496,7 @@ def resolve_block_size(model, block_size=None) -> int:
 
 
 def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 0.9), batch_sizes=(1, 4, 16),
-                         caches=("sliding", "block"), verify_thresholds=(0.0,), max_new_tokens=64, block_size=None,
+                         caches=("sliding", "block"), verify_thresholds=(DEFAULT_VERIFY_THRESHOLD,), max_new_tokens=64, block_size=None,
                          cache_block=16, num_prompts=16, repeats=3, warmup=1, num_threads=None, cost_repeats=30,
                          chat_template=None, progress=True, log=None) -> dict:
     """Benchmark MARS decoding against plain greedy `generate` (KV cache) on one model, in one process.
@@ -773,7 +775,7 @@ def add_arguments(parser):
     parser.add_argument("--caches", nargs="+", default=["sliding", "block"], choices=list(CACHE_MODES),
                         help="MARS cache modes: sliding window, the paper's block cache, or block_trained "
                              "(block chunks fed as [accepted | B masks]).")
-    parser.add_argument("--verify-thresholds", type=float, nargs="*", default=[0.0],
+    parser.add_argument("--verify-thresholds", type=float, nargs="*", default=[DEFAULT_VERIFY_THRESHOLD],
                         help="tau values for lossless verify mode (none: skip verify).")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-new-tokens", type=int, default=64)

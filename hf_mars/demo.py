@@ -396,7 +396,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--cut-fraction", type=float, default=0.5, help="share of MARS training examples cut at a "
                         "random point of the answer (the prefix joins the prompt), so the masks learn the layout "
                         "they meet when decoding; 0 disables")
-    parser.add_argument("--verify-threshold", type=float, default=0.5, help="verify mode proposes a mask prediction "
+    parser.add_argument("--verify-threshold", type=float, default=None, help="verify mode proposes a mask prediction "
                         "as a draft when its probability is >= this (accuracy is unaffected: every draft is checked)")
     parser.add_argument("--base", default=None, help="AR-SFT base checkpoint (default: the shipped tiny base)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -414,6 +414,10 @@ def _resolve(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
     if not 0.0 <= args.cut_fraction <= 1.0:
         raise ValueError(f"--cut-fraction must be in [0, 1], got {args.cut_fraction}.")
+    if args.verify_threshold is None:
+        from hf_mars.generation import DEFAULT_VERIFY_THRESHOLD
+
+        args.verify_threshold = DEFAULT_VERIFY_THRESHOLD
     if not 0.0 <= args.verify_threshold <= 1.0:
         raise ValueError(f"--verify-threshold must be in [0, 1], got {args.verify_threshold}.")
     if args.timing_prompts > args.num_eval:

@@ -39,7 +39,6 @@ import functools
 import copy
 import inspect
 import math
-import sys
 
 import torch
 from transformers import GenerationMixin
@@ -324,8 +323,69 @@ def _check_supported(model, generation_config, model_kwargs, assistant_model=Non
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# The algorithm in one screen (no cache, one row, greedy): what the fast loop below computes
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def reference_decode(model, prompt_ids, mask_token_id, block_size=4, threshold=0.95, max_new_tokens=32,
+                     eos_token_ids=(), use_last_mask=False):
+    """MARS threshold decoding of one prompt, literally: a full forward over [committed | masks] per step.
+
+    Slow (no KV cache) and greedy only; it exists to be read, and the tests hold the fast loop to it.
+    Returns (generated token ids, forward passes).
+    """
+    tokens, generated, forwards = list(prompt_ids), [], 0
+    candidates = block_size + 1 if use_last_mask else block_size  # the AR token + masks 1..candidates-1
+    while len(generated) < max_new_tokens:
+        masks = 0 if threshold >= 1.0 else candidates - 1
+        logits = model(torch.tensor([tokens + [mask_token_id] * masks])).logits[0].float()
+        forwards += 1
+        last_committed = len(tokens) - 1
+        for j in range(min(1 + masks, max_new_tokens - len(generated))):
+            scores = logits[last_committed + j].clone()  # candidate j: the AR position, then mask j
+            scores[mask_token_id] = -math.inf  # the mask token is never emitted
+            token = int(scores.argmax())
+            if j > 0 and float(torch.softmax(scores, -1)[token]) < threshold:
+                break  # candidate 0 is always accepted; then left to right while confident
+            tokens.append(token)
+            generated.append(token)
+            if token in eos_token_ids:
+                return generated, forwards
+        # (the fast loop also drops the masks' KV-cache entries here)
+    return generated, forwards
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The decoding loop
 # ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _StepPlan:
+    """What one step feeds and may accept, per row (python lists), and what follows from it."""
+
+    first: bool  # the prefill step: the prompt is not in the cache yet
+    active: list  # rows that may accept tokens (unfinished, and not waiting for the block cache's chunk)
+    uncached: list  # committed tokens not in the cache yet, fed first
+    drafts: list  # verify mode: pending drafts, fed after them
+    masks: list  # mask tokens, fed last
+    slots: list  # candidate slots the row may accept from
+    rows: list = dataclasses.field(default_factory=list)  # indices of the active rows
+    lens: list = dataclasses.field(default_factory=list)  # real columns per row
+    max_slots: int = 0
+    logits_kept: int = 0  # logits kept from the end of the chunk: from candidate 0 (before drafts and masks) on
+    uniform: bool = False  # every active row has the same drafts and masks: its slots are a plain slice
+    width: int = 0  # columns of the chunk (set when it is built)
+    start: torch.Tensor | None = None  # batches: each row's first real column
+    # batches: the per-row counts above, on the device
+    lens_t: torch.Tensor | None = None
+    content_len_t: torch.Tensor | None = None
+    fed_t: torch.Tensor | None = None
+    unfinished_t: torch.Tensor | None = None
+    emitted_t: torch.Tensor | None = None
+    slots_t: torch.Tensor | None = None
+    active_t: torch.Tensor | None = None
 
 
 class _MARSDecoder:
@@ -380,7 +440,7 @@ class _MARSDecoder:
             raise ValueError("MARS decoding needs a length limit: pass max_new_tokens or max_length.")
         self.max_new = int(max_length) - P
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device) if eos_ids else None
-        pad = generation_config._pad_token_tensor
+        pad = generation_config.pad_token_id
         if pad is None and eos_ids:
             pad = eos_ids[0]
         self.pad = int(torch.as_tensor(pad).flatten()[0]) if pad is not None else 0
@@ -422,7 +482,7 @@ class _MARSDecoder:
         self.cache_attn = None  # 2D mask over the cache's columns (None while every column is real)
         self.cache_len = 0
         self.extra_forward_kwargs = {k: v for k, v in model_kwargs.items() if k not in _LOOP_KWARGS}
-        self.supports_logits_to_keep = model._supports_logits_to_keep()
+        self.supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # positions reach prompt + generated + one chunk of drafts/masks
         self.arange = torch.arange(self.buf_len + 2 * (self.chunk + self.candidates) + 8, device=self.device)
         self.mask_col = torch.full((1, 1), opts.mask_token_id, dtype=torch.long, device=self.device)
@@ -442,179 +502,201 @@ class _MARSDecoder:
         self.one = torch.ones(1, dtype=torch.long, device=self.device)
 
     # ---------------------------------------------------------------- one step
-    def _plan(self):
-        """Per-row counts for this step (python lists; cheap for any realistic batch).
-
-        u: uncached committed tokens to feed, d: pending drafts (verify), nm: masks, nslot: candidate slots.
-        A row is active when it may accept tokens this step (unfinished, and not waiting for its chunk).
-        """
+    def _plan(self) -> _StepPlan:
+        """Per-row counts for this step (python lists; cheap for any realistic batch)."""
         b, opts = self.batch, self.opts
         max_accept = opts.max_accept or self.max_new
-        u, d, nm, nslot, active = [0] * b, [0] * b, [0] * b, [0] * b, [False] * b
+        plan = _StepPlan(first=self.fed[0] == -self.prompt_len, active=[False] * b, uncached=[0] * b,
+                         drafts=[0] * b, masks=[0] * b, slots=[0] * b)
         for r in range(b):
             if not self.unfinished[r] or (self.block and not self.chunk_start and self.in_chunk[r] >= self.chunk):
-                continue
-            active[r] = True
-            rem = self.max_new - self.emitted[r]
-            u[r] = self.emitted[r] - self.fed[r]
+                continue  # finished, or waiting for the slowest row to fill the block cache's chunk
+            plan.active[r] = True
+            remaining = self.max_new - self.emitted[r]
+            plan.uncached[r] = self.emitted[r] - self.fed[r]
             if opts.cache == "block":
-                nm[r] = self.chunk - self.in_chunk[r]
+                plan.masks[r] = self.chunk - self.in_chunk[r]
             else:
                 # candidates read masks 1..K-1 only, and under causal attention a later mask changes nothing
                 # before it: feed K-1 masks (B-1 by default; none in one-token mode, an exact AR step)
-                nm[r] = 0 if (self.one_token and not self.block and not opts.verify) else self.candidates - 1
+                plan.masks[r] = 0 if (self.one_token and not self.block and not opts.verify) else self.candidates - 1
             if opts.verify:
-                d[r] = self.pending[r]
+                plan.drafts[r] = self.pending[r]
                 # new drafts + the AR token must fit the length limit and the per-step cap
-                kd = min(self.max_drafts, max(0, rem - d[r] - 2), max_accept - 1)
-                nslot[r] = d[r] + 1 + kd
+                new_drafts = min(self.max_drafts, max(0, remaining - plan.drafts[r] - 2), max_accept - 1)
+                plan.slots[r] = plan.drafts[r] + 1 + new_drafts
             else:
-                sr = 1 if self.one_token else 1 + min(self.candidates - 1, nm[r])
+                slots = 1 if self.one_token else 1 + min(self.candidates - 1, plan.masks[r])
                 if self.block:
-                    sr = min(sr, self.chunk - self.in_chunk[r])
-                nslot[r] = min(sr, rem, max_accept)
-        return u, d, nm, nslot, active
+                    slots = min(slots, self.chunk - self.in_chunk[r])
+                plan.slots[r] = min(slots, remaining, max_accept)
+        plan.rows = [r for r in range(b) if plan.active[r]]
+        plan.lens = [plan.uncached[r] + plan.drafts[r] + plan.masks[r] for r in range(b)]
+        plan.max_slots = max(plan.slots)
+        plan.logits_kept = max(plan.masks[r] + plan.drafts[r] + 1 for r in plan.rows)
+        plan.uniform = len({(plan.masks[r], plan.drafts[r]) for r in plan.rows}) == 1
+        if b > 1:  # every per-row count the step needs on the device, in one host->device copy
+            counts = torch.tensor([plan.lens, [plan.uncached[r] + plan.drafts[r] for r in range(b)], self.fed,
+                                   self.unfinished, self.emitted, plan.slots, plan.active],
+                                  dtype=torch.long, device=self.device)
+            (plan.lens_t, plan.content_len_t, plan.fed_t, plan.unfinished_t, plan.emitted_t, plan.slots_t,
+             active) = counts.unbind(0)
+            plan.active_t = active.bool()
+        return plan
 
-    def step(self):
-        b, P, opts, dev = self.batch, self.prompt_len, self.opts, self.device
-        first = self.fed[0] == -P
-        u, d, nm, nslot, active = self._plan()
-        rows = [r for r in range(b) if active[r]]
-        lens = [u[r] + d[r] + nm[r] for r in range(b)]
-        S = max(nslot)
-        Lk = max(nm[r] + d[r] + 1 for r in rows)  # logits from candidate 0 (before drafts and masks) on
-        uniform = len({(nm[r], d[r]) for r in rows}) == 1
-        start = content_len = None
-        if b > 1:  # every per-row count this step needs, in one host->device copy
-            meta = torch.tensor([lens, [u[r] + d[r] for r in range(b)], self.fed, self.unfinished, self.emitted, nslot, active],
-                                dtype=torch.long, device=dev)
-            lens_t, content_len, cached_t, unf_t, n_t, nslot_t, active_l = meta.unbind(0)
+    def step(self) -> bool:
+        """One forward and everything it decides; False once every row has finished. Reads top to bottom:
+        plan the chunk, build it, forward, read the candidate slots, choose and accept (processors, stops),
+        one host sync, crop the cache, commit."""
+        plan = self._plan()
+        input_ids, position_ids, col_real = self._build_chunk(plan)
+        logits = self._forward(plan, input_ids, position_ids, col_real)
+        slot_logits, raw_logits, slot_pos, valid = self._candidate_slots(plan, logits)
+        scores, acc, stop, new_drafts = self._choose_and_accept(plan, slot_logits, slot_pos, valid)
+        if self.records is not None:
+            self.records.append((scores if self.output_scores else None, raw_logits, list(self.emitted), acc))
+        # the one host sync of the step
+        parts = [acc] + ([stop.long()] if stop is not None else []) + ([new_drafts] if new_drafts is not None else [])
+        host = torch.cat(parts).tolist() if len(parts) > 1 else acc.tolist()
+        b = self.batch
+        accepted = [host[r] if plan.active[r] else 0 for r in range(b)]
+        stopped = host[b:2 * b] if stop is not None else [0] * b
+        drafts_next = host[-b:] if new_drafts is not None else None
+        finished = [plan.active[r] and (bool(stopped[r]) or self.emitted[r] + accepted[r] >= self.max_new)
+                    for r in range(b)]
+        keep_cols = self._crop_cache(plan, col_real, acc, accepted, finished)
+        self._commit(plan, keep_cols, accepted, drafts_next, finished)
+        return any(self.unfinished)
 
-        # ---- inputs: per row [uncached committed | drafts | masks], right-aligned in a (b, T) chunk
-        if first:  # prefill: [prompt | masks], the same number of masks in every row
-            T = P + nm[rows[0]]
-            inp = torch.cat([self.seq[:, :P], self.mask_col.expand(b, nm[rows[0]])], dim=1)
-            pos = torch.cat([self.prompt_pos, self.prompt_real[:, None] + self.arange[:nm[rows[0]]][None]], dim=1)
+    # ---------------------------------------------------------------- the phases of a step
+    def _build_chunk(self, plan):
+        """Inputs: per row [uncached committed | drafts | masks], right-aligned in a (batch, width) chunk.
+
+        Returns input_ids, position_ids and which columns are real (None when all are)."""
+        b, P, dev = self.batch, self.prompt_len, self.device
+        if plan.first:  # prefill: [prompt | masks], the same number of masks in every row
+            masks = plan.masks[plan.rows[0]]
+            plan.width = P + masks
+            input_ids = torch.cat([self.seq[:, :P], self.mask_col.expand(b, masks)], dim=1)
+            position_ids = torch.cat([self.prompt_pos, self.prompt_real[:, None] + self.arange[:masks][None]], dim=1)
             col_real = None if self.prompt_attn is None else torch.cat(
-                [self.prompt_attn.bool(), torch.ones(b, T - P, dtype=torch.bool, device=dev)], dim=1)
+                [self.prompt_attn.bool(), torch.ones(b, masks, dtype=torch.bool, device=dev)], dim=1)
         elif b == 1:  # no padding ever: plain slices
-            T, c = lens[0], self.fed[0]
-            inp = self.seq[:, P + c:P + c + u[0] + d[0]]
-            if nm[0]:
-                inp = torch.cat([inp, self.mask_col.expand(1, nm[0])], dim=1)
-            off = self.prompt_real_int + c
-            pos = self.arange[off:off + T][None]
-            col_real = None if self.cache_attn is None else torch.ones(1, T, dtype=torch.bool, device=dev)
+            plan.width, fed = plan.lens[0], self.fed[0]
+            input_ids = self.seq[:, P + fed:P + fed + plan.uncached[0] + plan.drafts[0]]
+            if plan.masks[0]:
+                input_ids = torch.cat([input_ids, self.mask_col.expand(1, plan.masks[0])], dim=1)
+            offset = self.prompt_real_int + fed
+            position_ids = self.arange[offset:offset + plan.width][None]
+            col_real = None if self.cache_attn is None else torch.ones(1, plan.width, dtype=torch.bool, device=dev)
         else:
-            T = max(lens)
-            start = T - lens_t
-            rel = self.arange[:T][None, :] - start[:, None]
+            plan.width = max(plan.lens)
+            plan.start = plan.width - plan.lens_t  # first real column of each row
+            rel = self.arange[:plan.width][None, :] - plan.start[:, None]
             col_real = rel >= 0
-            is_tok = col_real & (rel < content_len[:, None])
-            tok = self.seq.gather(1, ((P + cached_t)[:, None] + rel).clamp(0, self.buf_len - 1))
-            inp = torch.where(is_tok, tok, torch.where(col_real, self.mask_col, self.pad))
-            pos = torch.where(col_real, (self.prompt_real + cached_t)[:, None] + rel, 0)
+            is_token = col_real & (rel < plan.content_len_t[:, None])
+            tokens = self.seq.gather(1, ((P + plan.fed_t)[:, None] + rel).clamp(0, self.buf_len - 1))
+            input_ids = torch.where(is_token, tokens, torch.where(col_real, self.mask_col, self.pad))
+            position_ids = torch.where(col_real, (self.prompt_real + plan.fed_t)[:, None] + rel, 0)
             # pads only matter in rows still decoding; with none there and none in the cache, no mask at all
-            if self.cache_attn is None and all(lens[r] == T for r in rows):
+            if self.cache_attn is None and all(plan.lens[r] == plan.width for r in plan.rows):
                 col_real = None
+        return input_ids, position_ids, col_real
 
+    def _forward(self, plan, input_ids, position_ids, col_real):
+        """The model forward over the chunk (the cache is updated in place); the logits from candidate 0 on."""
+        attention_mask = None
         if col_real is not None:
             cache_attn = self.cache_attn
             if cache_attn is None:
-                cache_attn = torch.ones(b, self.cache_len, dtype=torch.long, device=dev)
-            attn = torch.cat([cache_attn, col_real.long()], dim=1)
-        else:
-            attn = None
-        fkw = dict(self.extra_forward_kwargs)
-        fkw[self.cache_key] = self.cache  # a DynamicCache is updated in place
+                cache_attn = torch.ones(self.batch, self.cache_len, dtype=torch.long, device=self.device)
+            attention_mask = torch.cat([cache_attn, col_real.long()], dim=1)
+        kwargs = dict(self.extra_forward_kwargs)
+        kwargs[self.cache_key] = self.cache
         if self.supports_logits_to_keep:
-            fkw["logits_to_keep"] = Lk
-        out = self.model_forward(input_ids=inp, attention_mask=attn, position_ids=pos, use_cache=True,
-                                 return_dict=True, **fkw)
-        logits = out.logits[:, -Lk:]
-        del out
-        if b == 1:
-            self.forwards += 1
-        else:
-            self.forwards += unf_t
+            kwargs["logits_to_keep"] = plan.logits_kept
+        out = self.model_forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 use_cache=True, return_dict=True, **kwargs)
+        self.forwards += 1 if self.batch == 1 else plan.unfinished_t
+        return out.logits[:, -plan.logits_kept:]
 
-        # ---- candidate slots: slot s of row r reads column c0_r + s (c0_r: before its drafts and masks)
-        if uniform:
-            off = Lk - (nm[rows[0]] + d[rows[0]] + 1)
-            slot_logits = logits[:, off:off + S]
+    def _candidate_slots(self, plan, logits):
+        """Slot s of row r reads the logits column before its drafts and masks, plus s.
+
+        Returns the float32 slot logits (mask token suppressed), the raw ones for output_logits, where each
+        slot's token lives in `seq`, and which slots a row may accept (None: all)."""
+        b, P, S, kept = self.batch, self.prompt_len, plan.max_slots, plan.logits_kept
+        if plan.uniform:
+            r0 = plan.rows[0]
+            offset = kept - (plan.masks[r0] + plan.drafts[r0] + 1)
+            slot_logits = logits[:, offset:offset + S]
         else:
-            c0 = torch.tensor([Lk - (nm[r] + d[r] + 1) if active[r] else 0 for r in range(b)], device=dev)
-            idx = (c0[:, None] + self.arange[:S][None]).clamp(max=Lk - 1)
+            first_col = torch.tensor([kept - (plan.masks[r] + plan.drafts[r] + 1) if plan.active[r] else 0
+                                      for r in range(b)], device=self.device)
+            idx = (first_col[:, None] + self.arange[:S][None]).clamp(max=kept - 1)
             slot_logits = logits.gather(1, idx[:, :, None].expand(-1, -1, logits.shape[-1]))
         slot_logits = slot_logits.to(dtype=torch.float32, copy=True)
         raw_logits = slot_logits.clone() if self.output_logits else None  # output_logits: before any processing
         slot_logits[..., self.suppress_index] = -math.inf  # the mask token is never emitted
         if b == 1:
-            n0 = self.emitted[0]
-            slot_pos = self.arange[P + n0:P + n0 + S][None]  # where slot s's token lives in `seq`
-            valid = active_t = None  # the single row is active and all its slots are valid
-        else:
-            slot_pos = P + n_t[:, None] + self.arange[:S][None, :]
-            valid = self.arange[:S][None, :] < nslot_t[:, None]
-            active_t = active_l.bool()
+            n = self.emitted[0]
+            return slot_logits, raw_logits, self.arange[P + n:P + n + S][None], None
+        slot_pos = P + plan.emitted_t[:, None] + self.arange[:S][None, :]
+        return slot_logits, raw_logits, slot_pos, self.arange[:S][None, :] < plan.slots_t[:, None]
+
+    def _choose_and_accept(self, plan, slot_logits, slot_pos, valid):
+        """Process the candidates, choose their tokens, accept a run of them and apply the stops.
+
+        Returns (scores, accepted count, stopped or None, new drafts or None) as device tensors."""
+        S, verify = plan.max_slots, self.opts.verify
+        active_t = None if self.batch == 1 else plan.active_t
         forced = forced_mask = None
-        if opts.verify and max(d) > 0:
-            forced_mask = self.arange[:S][None, :] < torch.tensor(d, dtype=torch.long, device=dev)[:, None]
-            forced = self.seq.gather(1, slot_pos)  # the pending drafts sit right after the committed tokens
-
+        if verify and max(plan.drafts) > 0:  # the pending drafts sit right after the committed tokens
+            forced_mask = self.arange[:S][None, :] < torch.tensor(plan.drafts, device=self.device)[:, None]
+            forced = self.seq.gather(1, slot_pos)
         if self.exact:  # stateful processors or criteria: one position at a time, AR's calls only
-            scores, acc, stop, newd = self._decide_exact(slot_logits, S, rows, active_t, forced, forced_mask,
-                                                         slot_pos, valid, d)
+            return self._decide_exact(slot_logits, S, plan.rows, active_t, forced, forced_mask, slot_pos, valid,
+                                      plan.drafts)
+        scores, chosen = self._process(slot_logits, S, plan.rows, active_t, forced, forced_mask, slot_pos,
+                                       self.processors)
+        if verify:
+            acc, new_drafts = self._accept_verify(scores, chosen, forced, forced_mask, valid, plan.drafts, slot_pos,
+                                                  active_t, S, plan.drafts[plan.rows[0]] if plan.uniform else None)
+            n = self.emitted[0]
+            emitted = self.seq[:, self.prompt_len + n:self.prompt_len + n + S] if self.batch == 1 else \
+                self.seq.gather(1, slot_pos)
         else:
-            scores, chosen = self._process(slot_logits, S, rows, active_t, forced, forced_mask, slot_pos,
-                                               self.processors)
-            if opts.verify:
-                acc, newd = self._accept_verify(scores, chosen, forced, forced_mask, valid, d, slot_pos, active_t, S,
-                                                d[rows[0]] if uniform else None)
-                emitted = self.seq[:, P + self.emitted[0]:P + self.emitted[0] + S] if b == 1 else self.seq.gather(1, slot_pos)
-            else:
-                acc, newd = self._accept_threshold(scores, chosen, valid), None
-                emitted = chosen
+            acc, new_drafts, emitted = self._accept_threshold(scores, chosen, valid), None, chosen
+        # stops, checked after every accepted token: EOS, then any other criteria
+        stop = None
+        if self.eos is not None:
+            eos_at = torch.where(torch.isin(emitted, self.eos), self.arange[1:S + 1], S + 1).amin(1)
+            stop = eos_at <= acc
+            acc = torch.minimum(acc, eos_at)
+        if len(self.other_criteria) > 0:
+            acc, hit = self._other_criteria(acc, S, plan.rows, scores)
+            stop = hit if stop is None else stop | hit
+        return scores, acc, stop, new_drafts
 
-            # ---- stops, checked after every accepted token: EOS, then any other criteria
-            stop = None
-            if self.eos is not None:
-                eos_at = torch.where(torch.isin(emitted, self.eos), self.arange[1:S + 1], S + 1).amin(1)
-                stop = eos_at <= acc
-                acc = torch.minimum(acc, eos_at)
-            if len(self.other_criteria) > 0:
-                acc, hit = self._other_criteria(acc, S, rows, scores)
-                stop = hit if stop is None else stop | hit
-        if self.records is not None:
-            self.records.append((scores if self.output_scores else None,
-                                 raw_logits, list(self.emitted), acc))
+    def _crop_cache(self, plan, col_real, acc, accepted, finished) -> int:
+        """Drop the masks' (and rejected drafts') cache entries; returns how many columns of the chunk stay.
 
-        # ---- the one host sync of the step
-        parts = [acc]
-        if stop is not None:
-            parts.append(stop.long())
-        if newd is not None:
-            parts.append(newd)
-        host = torch.cat(parts).tolist() if len(parts) > 1 else acc.tolist()
-        acc_l = host[:b]
-        stop_l = host[b:2 * b] if stop is not None else [0] * b
-        newd_l = host[-b:] if newd is not None else None
-        fin_l = [active[r] and (bool(stop_l[r]) or self.emitted[r] + acc_l[r] >= self.max_new) for r in range(b)]
-
-        # ---- cache: drop the masks (block steps inside a chunk: everything fed, back to the frozen prefix)
-        keep_cols = T - max(nm)  # the masks are the last columns whenever anything is kept
-        leftover = False  # verify: rejected drafts left in the cache, masked out instead of cropped
-        if self.block and not first and not self.chunk_start:
-            drop, keep_cols = T, 0
-        elif opts.verify and not first:
+        Block cache inside a chunk: everything fed is dropped (back to the frozen prefix). Verify: rejected
+        drafts every row shares are cropped; the rest stay, masked out in the 2D attention mask."""
+        b, dev, width = self.batch, self.device, plan.width
+        keep_cols = width - max(plan.masks)  # the masks are the last columns whenever anything is kept
+        leftover = False
+        if self.block and not plan.first and not self.chunk_start:
+            drop, keep_cols = width, 0
+        elif self.opts.verify and not plan.first:
             # rejected drafts sit at the right end of each row's kept columns: crop what every row rejected
-            rejected = [d[r] - (acc_l[r] - 1) for r in rows if not fin_l[r]]
+            rejected = [plan.drafts[r] - (accepted[r] - 1) for r in plan.rows if not finished[r]]
             extra = max(0, min(min(rejected) if rejected else 0, keep_cols))
             leftover = any(x > extra for x in rejected)
-            drop = T - keep_cols + extra
+            drop = width - keep_cols + extra
             keep_cols -= extra
         else:
-            drop = T - keep_cols
+            drop = width - keep_cols
         if drop:
             self.cache.crop(-drop)
         if keep_cols:
@@ -622,38 +704,41 @@ class _MARSDecoder:
                 kept = col_real[:, :keep_cols] if col_real is not None else torch.ones(
                     b, keep_cols, dtype=torch.bool, device=dev)
                 if leftover:  # a draft column stays real only if its draft was accepted (acc - 1 of them)
-                    rel_k = self.arange[:keep_cols][None, :] - start[:, None]
-                    d_t = torch.tensor(d, dtype=torch.long, device=dev)
-                    kept = kept & (rel_k < (content_len - d_t + acc - 1)[:, None])
+                    rel = self.arange[:keep_cols][None, :] - plan.start[:, None]
+                    drafts_t = torch.tensor(plan.drafts, dtype=torch.long, device=dev)
+                    kept = kept & (rel < (plan.content_len_t - drafts_t + acc - 1)[:, None])
                 base = self.cache_attn
                 if base is None:
                     base = torch.ones(b, self.cache_len, dtype=torch.long, device=dev)
                 self.cache_attn = torch.cat([base, kept.long()], dim=1)
             self.cache_len += keep_cols
+        return keep_cols
 
-        # ---- commit on the host side
+    def _commit(self, plan, keep_cols, accepted, drafts_next, finished):
+        """Advance the per-row state on the host; finished rows read as pads from here on (like AR's)."""
+        b, verify = self.batch, self.opts.verify
         runs = []
         for r in range(b):
-            a = acc_l[r] if active[r] else 0
+            a = accepted[r]
             if keep_cols and self.unfinished[r]:
-                if first:
+                if plan.first:
                     self.fed[r] = 0
-                elif opts.verify:
-                    self.fed[r] = self.emitted[r] + max(a - 1, 0)  # accepted drafts are cached, the AR token is not
+                elif verify:
+                    self.fed[r] = self.emitted[r] + max(a - 1, 0)  # accepted drafts are cached, the AR token not
                 else:
                     self.fed[r] = self.emitted[r]
             runs.append((self.emitted[r], a))
             self.emitted[r] += a
             if self.block:
                 self.in_chunk[r] += a
-            if opts.verify:
-                self.pending[r] = 0 if fin_l[r] else newd_l[r]
-            if fin_l[r]:
+            if verify:
+                self.pending[r] = 0 if finished[r] else drafts_next[r]
+            if finished[r]:
                 self.unfinished[r] = False
-        if any(fin_l):  # finished rows read as pads from here on, like AR's finished rows
-            fin_t = torch.tensor(fin_l, dtype=torch.bool, device=dev)
-            n_new = torch.tensor(self.emitted, dtype=torch.long, device=dev)
-            tail = self.arange[:self.buf_len][None, :] >= (P + n_new)[:, None]
+        if any(finished):
+            fin_t = torch.tensor(finished, dtype=torch.bool, device=self.device)
+            emitted_t = torch.tensor(self.emitted, dtype=torch.long, device=self.device)
+            tail = self.arange[:self.buf_len][None, :] >= (self.prompt_len + emitted_t)[:, None]
             self.seq.masked_fill_(fin_t[:, None] & tail, self.pad)
         if self.block:
             self.chunk_start = all((not self.unfinished[r]) or self.in_chunk[r] >= self.chunk for r in range(b))
@@ -661,7 +746,6 @@ class _MARSDecoder:
                 self.in_chunk = [0] * b
         if self.streamer is not None:
             self._stream(runs)
-        return any(self.unfinished)
 
     # ---------------------------------------------------------------- processing candidates
     def _choose(self, scores):
@@ -997,23 +1081,16 @@ class _MARSDecoder:
         return tuple(out.unbind(1))
 
 
-def _generate_frame_locals(model) -> dict:
-    """Arguments transformers' `generate` drops for callable custom_generate (streamer, assistant_model).
+def _sharded_across_ranks(model) -> bool:
+    """True when generation must step in lockstep across ranks (DeepSpeed ZeRO-3 or FSDP, world size > 1):
+    what transformers' `generate` infers for `synced_gpus`, which it does not pass to a callable custom_generate."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1):
+        return False
+    from transformers.integrations import is_deepspeed_zero3_enabled
+    from transformers.integrations.fsdp import is_fsdp_managed_module
 
-    `GenerationMixin.generate` replaces the decoding method's mode kwargs by the callable's own new keys,
-    so a `streamer=` passed to generate never reaches us; read it from the calling frame instead.
-    """
-    try:
-        frame = sys._getframe(2)
-    except ValueError:
-        return {}
-    for _ in range(3):
-        if frame is None:
-            break
-        if frame.f_code.co_name == "generate" and frame.f_locals.get("self") is model:
-            return frame.f_locals
-        frame = frame.f_back
-    return {}
+    return bool(is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model))
 
 
 def mars_generate(
@@ -1054,22 +1131,21 @@ def mars_generate(
       next chunk's first inner step ([completed chunk | masks]), so it costs no extra forward.
     - mars_verify: lossless self-speculative mode (mask predictions are drafts verified by the next forward;
       tau truncates the drafts, output equals plain greedy / plain sampling in distribution).
-    - mars_streamer: a streamer (transformers drops `streamer=` for callables; `enable_mars` routes it here,
-      and a `streamer=` given to generate is recovered from its frame).
-    With mars=False this runs transformers' ordinary sampling/greedy loop. tau >= 1 still feeds the B masks
-    (one-token mode of the paper) and accepts exactly the AR token.
+    - mars_streamer: a streamer. transformers hands a callable custom_generate neither ``streamer=`` nor
+      ``tokenizer=`` (nor assistant_model / synced_gpus), so on that route pass ``mars_streamer=``; `enable_mars`
+      and a checkpoint's custom_generate route ``streamer=`` here themselves.
+    tau >= 1 accepts exactly the AR token each step (identical to greedy decoding).
     """
-    caller = None
-    if streamer is None and mars_streamer is None:
-        caller = _generate_frame_locals(model)
-        streamer = caller.get("streamer")  # generate already streamed the prompt
     if not mars:
-        streamer = streamer if streamer is not None else mars_streamer
-        if mars_streamer is not None:
-            mars_streamer.put(input_ids.cpu())
-        return GenerationMixin._sample(
-            model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-            generation_config=generation_config, synced_gpus=synced_gpus, streamer=streamer, **model_kwargs,
+        raise ValueError(
+            "mars_generate runs MARS decoding; for plain decoding call generate without custom_generate=mars_generate "
+            "(or, after enable_mars, without mars arguments)."
+        )
+    if synced_gpus or _sharded_across_ranks(model):
+        raise ValueError(
+            "MARS decoding does not support synced_gpus (generation with parameters sharded across ranks by DeepSpeed "
+            "ZeRO-3 or FSDP): ranks that finish early would stop calling the model and the others would hang. "
+            "Generate with plain decoding there (mars=False), or gather the full model on each rank first."
         )
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError(
@@ -1080,8 +1156,7 @@ def mars_generate(
     if attn is not None and attn.ndim == 2 and bool((attn.sum(-1) == 0).any()):
         raise ValueError("MARS decoding needs at least one real (unpadded) prompt token in every row; a row of the "
                          "attention_mask is all zeros.")
-    assistant = (caller or {}).get("assistant_model") if caller is not None else None
-    _check_supported(model, generation_config, model_kwargs, assistant_model=assistant)
+    _check_supported(model, generation_config, model_kwargs)
     opts = _resolve_options(
         model, generation_config, mars_threshold=mars_threshold, mars_block_size=mars_block_size,
         mars_acceptance=mars_acceptance, mars_max_accept=mars_max_accept, mars_cache=mars_cache,
@@ -1170,6 +1245,11 @@ def _route_generate(model, *args, **kwargs):
     if not use_mars:
         return base_generate(model, **kwargs)
 
+    if kwargs.get("synced_gpus"):
+        raise ValueError(
+            "MARS decoding does not support synced_gpus=True (parameters sharded across ranks): ranks that finish "
+            "early would stop calling the model and the others would hang. Use plain decoding (mars=False) there."
+        )
     custom = kwargs.pop("custom_generate", None)
     if custom is not None and getattr(custom, "__name__", None) != "mars_generate":
         asked = ", ".join(f"{k}={v!r}" for k, v in mars_args.items()) or "mars=True"
@@ -1227,4 +1307,4 @@ def enable_mars(model):
     return model
 
 
-__all__ = ["mars_generate", "enable_mars", "generate", "MARSGenerateOutput", "MARS_ARGUMENTS"]
+__all__ = ["mars_generate", "enable_mars", "generate", "reference_decode", "MARSGenerateOutput", "MARS_ARGUMENTS"]

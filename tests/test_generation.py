@@ -350,9 +350,9 @@ def test_streamer_gets_exactly_the_emitted_tokens(peaky, route):
     streamer = Collect()
     if route == "enable_mars":
         out = model.generate(**enc, max_new_tokens=20, mars_threshold=0.3, streamer=streamer)
-    else:  # transformers drops streamer= for callables; mars_generate recovers it
+    else:  # transformers hands a callable neither streamer= nor tokenizer=: the callable route takes mars_streamer=
         out = type(model).generate(model, **enc, max_new_tokens=20, custom_generate=mars_generate,
-                                   mars_threshold=0.3, streamer=streamer)
+                                   mars_threshold=0.3, mars_streamer=streamer)
     assert streamer.ended
     assert streamer.chunks[0] == enc.input_ids[0].tolist()
     streamed = [t for chunk in streamer.chunks[1:] for t in chunk]
@@ -497,6 +497,15 @@ def test_mars_false_is_plain_generate(flat):
     assert torch.equal(a, b)
 
 
+def test_mars_generate_refuses_plain_and_synced_gpus(flat):
+    model, tok = flat
+    enc = _batch(tok)
+    with pytest.raises(ValueError, match="without custom_generate"):
+        type(model).generate(model, **enc, max_new_tokens=4, custom_generate=mars_generate, mars=False)
+    with pytest.raises(ValueError, match="synced_gpus"):
+        model.generate(**enc, max_new_tokens=4, mars_threshold=0.5, synced_gpus=True)
+
+
 def test_defaults_from_generation_config(peaky):
     model, tok = peaky
     enc = _batch(tok)
@@ -618,3 +627,21 @@ def test_verify_sampling_exact_with_history_processors():
     samples = [tuple(row) for row in out.sequences[:, len(prompt):].tolist()]
     stat, limit, outside = _chi2(samples, expected)
     assert outside == 0 and stat < limit, (stat, limit)
+
+
+@pytest.mark.parametrize("tau,last", [(1.0, False), (0.3, False), (0.6, True), (0.0, False)])
+def test_library_reference_loop_matches_fast_loop_and_test_reference(peaky, tau, last):
+    """`reference_decode` (the algorithm in one screen) == the test's own naive loop == the fast cached loop."""
+    model, tok = peaky
+    mask_id = model.config.mars["mask_token_id"]
+    for prompt in PROMPTS:
+        ids = tok(prompt).input_ids
+        ref, ref_fwd = gen.reference_decode(model, ids, mask_id, block_size=4, threshold=tau, max_new_tokens=MAX_NEW,
+                                            eos_token_ids=(tok.eos_token_id,), use_last_mask=last)
+        naive, naive_fwd = _naive_mars(model, ids, mask_id, 4, tau, MAX_NEW, {tok.eos_token_id}, last=last)
+        assert (ref, ref_fwd) == (naive, naive_fwd)
+        out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
+                             mars_threshold=tau, mars_block_size=4, mars_use_last_mask=last,
+                             return_dict_in_generate=True)
+        assert out.sequences[0, len(ids):].tolist()[:len(ref)] == ref
+        assert int(out.mars_forward_passes[0]) == ref_fwd
