@@ -170,9 +170,37 @@ class _Options:
     mask_token_id: int
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The one owner of the MARS metadata and of the B / tau rules (trainer, hub and tokens use these too)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def read_mars_metadata(config) -> dict:
+    """``config.mars`` (``{}`` when the model was never prepared for MARS); a non-dict value is an error."""
+    meta = getattr(config, "mars", None)
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise ValueError(f"config.mars must be a dict, got {type(meta).__name__}.")
+    return meta
+
+
+def check_threshold(value, name: str = "mars_threshold") -> float:
+    """tau is a number in [0, 1]; 1.0 is one token per forward, exactly AR."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1] (1.0 = one token per forward, exactly AR), got {value!r}.")
+    return float(value)
+
+
+def check_block_size(value, name: str = "mars_block_size") -> int:
+    """B is an int >= 1 (the paper trains with 4)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1 (the trained block size, e.g. 4), got {value!r}.")
+    return value
+
+
 def _mars_metadata(model) -> dict:
-    meta = getattr(getattr(model, "config", None), "mars", None)
-    return meta if isinstance(meta, dict) else {}
+    return read_mars_metadata(getattr(model, "config", None))
 
 
 def _mask_token_id(model, required: bool = True) -> int | None:
@@ -219,12 +247,8 @@ def _resolve_options(model, generation_config, **given) -> _Options:
     if use_last_mask is None:
         use_last_mask = verify is True
 
-    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not (0.0 <= float(tau) <= 1.0):
-        raise ValueError(
-            f"mars_threshold must be a number in [0, 1] (1.0 = one token per forward, exactly AR), got {tau!r}."
-        )
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"mars_block_size must be an int >= 1 (the trained block size, e.g. 4), got {block_size!r}.")
+    tau = check_threshold(tau)
+    check_block_size(block_size)
     if not meta.get("trained_steps"):
         _logger.warning_once(
             "This model's mask token was never MARS-trained (config.mars has no `trained_steps`): MARS decoding "

@@ -81,32 +81,25 @@ def _not_mars(directory, why: str) -> ValueError:
 
 def _mars_from_config(config_dict: dict, where) -> dict:
     mars = config_dict.get("mars")
-    if not isinstance(mars, dict) or not isinstance(mars.get("mask_token_id"), int):
+    if not isinstance(mars, dict) or isinstance(mars.get("mask_token_id"), bool) or not isinstance(mars.get("mask_token_id"), int):
         raise _not_mars(where, "its config has no `mars` metadata with an integer `mask_token_id`")
     return mars
 
 
-def _tokenizer_token_id(directory: Path, token: str) -> int | None:
-    """Id of ``token`` in the tokenizer saved in ``directory`` (None when absent), read from the JSON files."""
-    tok_json = directory / "tokenizer.json"
-    if tok_json.is_file():
-        data = _read_json(tok_json)
-        for added in data.get("added_tokens") or []:
-            if added.get("content") == token:
-                return int(added["id"])
-        vocab = (data.get("model") or {}).get("vocab")
-        if isinstance(vocab, dict) and token in vocab:
-            return int(vocab[token])
-    tok_cfg = directory / "tokenizer_config.json"
-    if tok_cfg.is_file():
-        for idx, added in (_read_json(tok_cfg).get("added_tokens_decoder") or {}).items():
-            if (added.get("content") if isinstance(added, dict) else added) == token:
-                return int(idx)
-    return None
+def _saved_tokenizer(directory: Path):
+    """The tokenizer saved in ``directory`` (None when there is none)."""
+    if not any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json",
+                                                          "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory)
 
 
-def _has_tokenizer(directory: Path) -> bool:
-    return any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+def _token_id(tokenizer, token: str) -> int | None:
+    """Id of ``token`` as one token of ``tokenizer`` (None when it is not in the vocabulary)."""
+    vocab = tokenizer.get_vocab()
+    return vocab.get(token)
 
 
 _UNTRAINED = (
@@ -129,11 +122,12 @@ def check_checkpoint(directory, for_push: bool = False, force: bool = False) -> 
         raise _not_mars(directory, "it has no config.json")
     mars = _mars_from_config(_read_json(directory / "config.json"), directory)
     mask_token, mask_id = mars.get("mask_token"), mars["mask_token_id"]
-    if not _has_tokenizer(directory):
+    tokenizer = _saved_tokenizer(directory)
+    if tokenizer is None:
         raise _not_mars(directory, "it holds no tokenizer (save the tokenizer that `add_mask_token` changed)")
-    if not isinstance(mask_token, str) or _tokenizer_token_id(directory, mask_token) is None:
+    found = _token_id(tokenizer, mask_token) if isinstance(mask_token, str) else None
+    if found is None:
         raise _not_mars(directory, f"its tokenizer has no mask token {mask_token!r}")
-    found = _tokenizer_token_id(directory, mask_token)
     if found != mask_id:
         raise ValueError(
             f"{directory}: the tokenizer maps the mask token {mask_token!r} to id {found}, but config.json's "
@@ -254,46 +248,44 @@ def write_custom_generate(save_directory) -> Path:
 
 
 def _check_defaults(threshold=None, block_size=None) -> None:
-    """Same rules as hf_mars.generation applies to mars_threshold / mars_block_size."""
-    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
-                                  or not 0.0 <= threshold <= 1.0):
-        raise ValueError(f"mars_threshold must be a number in [0, 1] (1.0 = exact AR greedy), got {threshold!r}.")
-    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
-        raise ValueError(f"mars_block_size must be an int >= 1 (the trained block size), got {block_size!r}.")
+    """The rules hf_mars.generation applies to mars_threshold / mars_block_size (it owns them)."""
+    from hf_mars.generation import check_block_size, check_threshold
+
+    if threshold is not None:
+        check_threshold(threshold)
+    if block_size is not None:
+        check_block_size(block_size)
 
 
 def write_generation_defaults(save_directory, mars: dict, model=None, config_dict=None,
                               threshold=None, block_size=None) -> tuple[float, int]:
-    """Add ``mars_threshold`` / ``mars_block_size`` to generation_config.json, keeping everything else.
+    """Add ``mars_threshold`` / ``mars_block_size`` to the folder's generation config, keeping everything else.
 
     Precedence: explicit argument > value already in the generation config > ``config.mars`` > default.
-    An existing file is edited as JSON (not re-validated), so a base model's config survives as is.
     """
-    directory = Path(save_directory)
-    path = directory / "generation_config.json"
-    if path.is_file():
-        data = _read_json(path)
-    elif model is not None and getattr(model, "generation_config", None) is not None:
-        data = json.loads(model.generation_config.to_json_string(use_diff=True))
-    else:
-        import transformers
+    from transformers import GenerationConfig
 
+    directory = Path(save_directory)
+    if (directory / "generation_config.json").is_file():
+        gen_config = GenerationConfig.from_pretrained(directory)
+    elif model is not None and getattr(model, "generation_config", None) is not None:
+        gen_config = GenerationConfig.from_dict(model.generation_config.to_dict())
+    else:
         cfg = config_dict or {}
-        data = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
-        data["transformers_version"] = transformers.__version__
+        gen_config = GenerationConfig(**{k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                                         if cfg.get(k) is not None})
     if threshold is None:
-        threshold = data.get("mars_threshold")
+        threshold = getattr(gen_config, "mars_threshold", None)
     if threshold is None:
         threshold = DEFAULT_THRESHOLD
     if block_size is None:
-        block_size = data.get("mars_block_size") or mars.get("block_size") or DEFAULT_BLOCK_SIZE
+        block_size = getattr(gen_config, "mars_block_size", None) or mars.get("block_size") or DEFAULT_BLOCK_SIZE
     _check_defaults(threshold, block_size)
-    data["mars_threshold"] = float(threshold)
-    data["mars_block_size"] = block_size
-    # A config flagged as derived from the model config drops unknown attributes when loaded:
-    # with the flag the MARS defaults would vanish on from_pretrained.
-    data.pop("_from_model_config", None)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    gen_config.mars_threshold = float(threshold)
+    gen_config.mars_block_size = block_size
+    # a config flagged as derived from the model config drops unknown attributes (the MARS defaults) on load
+    gen_config._from_model_config = False
+    gen_config.save_pretrained(directory)
     if model is not None and getattr(model, "generation_config", None) is not None:
         model.generation_config.mars_threshold = float(threshold)  # the live model decodes as the saved one
         model.generation_config.mars_block_size = block_size
@@ -589,7 +581,7 @@ def write_mars_extras(save_directory, model=None, tokenizer=None, training_args=
                 f"The tokenizer maps the mask token {mask!r} to {tokenizer.convert_tokens_to_ids(mask)}, but "
                 f"config.mars says {mars['mask_token_id']}: pass the tokenizer that `add_mask_token` changed."
             )
-        if not _has_tokenizer(directory):
+        if not any((directory / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
             processor.save_pretrained(directory)
 
     threshold, block_size = write_generation_defaults(
@@ -652,20 +644,11 @@ def upload_file_list(directory) -> list[str]:
     Uses huggingface_hub's own filter with the same patterns upload_folder applies.
     """
     from huggingface_hub.utils import filter_repo_objects
-    from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
+    from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS
 
     root = Path(directory).expanduser().resolve()
     rel = [p.relative_to(root).as_posix() for p in sorted(root.glob("**/*")) if p.is_file()]
     return list(filter_repo_objects(rel, ignore_patterns=PUSH_IGNORE_PATTERNS + DEFAULT_IGNORE_PATTERNS))
-
-
-def _env_offline() -> bool:
-    from huggingface_hub import constants
-
-    def true(v):
-        return (v or "").strip().upper() in {"1", "ON", "YES", "TRUE"}
-
-    return constants.HF_HUB_OFFLINE or true(os.environ.get("HF_HUB_OFFLINE")) or true(os.environ.get("TRANSFORMERS_OFFLINE"))
 
 
 def _is_connection_error(exc: BaseException) -> bool:
@@ -694,7 +677,9 @@ def push_to_hub(directory, repo_id, private=None, revision=None, create_pr=False
     files = upload_file_list(directory)
     if dry_run:
         return files
-    if _env_offline():
+    from huggingface_hub import is_offline_mode
+
+    if is_offline_mode():
         raise RuntimeError(
             "Cannot push: Hugging Face Hub offline mode is on (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE). "
             "Unset it (`export HF_HUB_OFFLINE=0`) on a machine with network access, or use dry_run / --dry-run "

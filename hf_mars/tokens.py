@@ -15,12 +15,9 @@ MARS_CONFIG_KEY = "mars"
 
 def get_mars_metadata(config) -> dict | None:
     """Return the ``config.mars`` dict (or None when the model was never prepared for MARS)."""
-    meta = getattr(config, MARS_CONFIG_KEY, None)
-    if meta is None:
-        return None
-    if not isinstance(meta, dict):
-        raise ValueError(f"config.{MARS_CONFIG_KEY} must be a dict, got {type(meta).__name__}")
-    return meta
+    from .generation import read_mars_metadata  # the one reader (generation.py also ships standalone)
+
+    return read_mars_metadata(config) or None
 
 
 def set_mars_metadata(config, **fields) -> dict:

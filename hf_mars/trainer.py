@@ -26,6 +26,7 @@ from .masking import (
     sequence_ids_from_positions,
     shift_labels_for_positions,
 )
+from .generation import check_block_size
 from .tokens import DEFAULT_MASK_TOKEN, add_mask_token, set_mars_metadata
 
 __all__ = ["MARSConfig", "MARSDataCollator", "MARSTrainer"]
@@ -136,8 +137,7 @@ class MARSConfig(SFTConfig):
     )
 
     def __post_init__(self):
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1 (the paper uses 4), got {self.block_size!r}.")
+        check_block_size(self.block_size, "block_size")
         if self.ar_weight is None or not math.isfinite(float(self.ar_weight)) or float(self.ar_weight) < 0:
             raise ValueError(f"ar_weight must be a finite number >= 0 (the paper uses 1.0), got {self.ar_weight!r}.")
         self.ar_weight = float(self.ar_weight)
