@@ -63,7 +63,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("No CUDA device: this script is for a machine with a GPU.")
-    from hf_mars.bench import ForwardRecorder, measure_step_costs
+    from hf_mars.demo.bench import ForwardRecorder, measure_step_costs
     from hf_mars.generation import enable_mars
 
     B = args.block_size

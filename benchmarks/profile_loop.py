@@ -117,7 +117,7 @@ def build(args):
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     else:
         from hf_mars import add_mask_token
-        from hf_mars.tiny import build_char_tokenizer, tiny_qwen2
+        from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
 
         tok = build_char_tokenizer()
         model = tiny_qwen2(tok, seed=0, hidden_size=args.hidden, num_layers=args.layers,

@@ -13,8 +13,9 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_mars import enable_mars
-from hf_mars.data import generate_examples
-from hf_mars.demo import _encode_batches, _per_task_tpf, _prompts, _time_runs
+from hf_mars.demo.data import generate_examples
+from hf_mars.demo.bench import time_interleaved
+from hf_mars.demo.pipeline import _encode_batches, _per_task_tpf, _prompts
 
 
 def main(argv=None):
@@ -43,7 +44,7 @@ def main(argv=None):
     batches = _encode_batches(tok, _prompts(tok, examples[:args.timing_prompts]), 1)
     runs = {"plain": {}, **settings}
     with tqdm(total=len(runs) * args.repeats, desc="timing", unit="run") as bar:
-        seconds = _time_runs(model, batches, runs, args.repeats, bar)
+        seconds = time_interleaved(model, batches, runs, args.repeats, bar)
     print("| drafts per step | draft τ | tokens/forward (320 held-out) | batch-1 speed-up vs plain generate |")
     print("|---|---|---|---|")
     for name, kw in settings.items():

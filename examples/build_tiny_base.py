@@ -1,10 +1,10 @@
-"""Rebuild the tiny AR-SFT base model shipped in hf_mars/assets/tiny-base (the start of `hf-mars demo`).
+"""Rebuild the tiny AR-SFT base model shipped in hf_mars/demo/assets/tiny-base (the start of `hf-mars demo`).
 
 A small Qwen2 is trained from scratch by plain TRL `SFTTrainer` on the bundled
-instruction data (hf_mars.data), on CPU, in fp32. This is the paper's first
+instruction data (hf_mars.demo.data), on CPU, in fp32. This is the paper's first
 stage ("AR SFT"); MARS fine-tuning then starts from this checkpoint.
 
-    python examples/build_tiny_base.py                       # writes hf_mars/assets/tiny-base
+    python examples/build_tiny_base.py                       # writes hf_mars/demo/assets/tiny-base
     python examples/build_tiny_base.py --output-dir /tmp/base --max-steps 300   # a quick look
 
 Deterministic for a given seed and thread count (CPU training; float reductions
@@ -24,7 +24,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "hf_mars" / "assets" / "tiny-base"
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "hf_mars" / "demo" / "assets" / "tiny-base"
 
 
 def parse_args(argv=None):
@@ -51,9 +51,9 @@ def main(argv=None):
     from transformers import set_seed
     from trl import SFTConfig, SFTTrainer
 
-    from hf_mars.data import make_dataset
-    from hf_mars.demo import evaluate_ar
-    from hf_mars.tiny import build_char_tokenizer, tiny_qwen2
+    from hf_mars.demo.data import make_dataset
+    from hf_mars.demo.pipeline import evaluate_ar
+    from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
 
     if args.threads:
         torch.set_num_threads(args.threads)

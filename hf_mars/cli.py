@@ -9,8 +9,8 @@ import sys
 
 # sub-command -> (module, help). Each module defines `add_arguments(parser)` and `run(args) -> int | None`.
 COMMANDS = {
-    "demo": ("hf_mars.demo", "Train, decode and report MARS on the embedded tiny default (offline, CPU)."),
-    "bench": ("hf_mars.bench", "Tokens/s and tokens/forward of MARS decoding against plain generate."),
+    "demo": ("hf_mars.demo.pipeline", "Train, decode and report MARS on the embedded tiny default (offline, CPU)."),
+    "bench": ("hf_mars.demo.bench", "Tokens/s and tokens/forward of MARS decoding against plain generate."),
     "push": ("hf_mars.hub", "Push a MARS checkpoint folder to the Hugging Face Hub."),
 }
 

@@ -42,7 +42,7 @@ import math
 
 import torch
 from transformers import GenerationMixin
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation import logits_process as _lp
 from transformers.generation import stopping_criteria as _sc
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -291,6 +291,7 @@ def _resolve_options(model, generation_config, **given) -> _Options:
 
 
 # model kwargs the loop manages itself ("past_key_values" is the cache's name before transformers 5.2x)
+_ROLLBACK_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)  # cache layers MARS can crop back exactly
 _LOOP_KWARGS = ("cache", "past_key_values", "attention_mask", "position_ids", "use_cache", "logits_to_keep",
                 "inputs_embeds")
 
@@ -326,15 +327,17 @@ def _check_supported(model, generation_config, model_kwargs, assistant_model=Non
         raise ValueError("prefill_chunk_size is not supported by MARS decoding.")
     cache = model_kwargs.get(_cache_key(model_kwargs))
     if cache is not None:
-        # cropping must restore the cache exactly, and padded chunks grow it past max_length: plain dynamic
-        # full-attention layers only (no static, sliding-window, quantized or linear-attention layers)
+        # cropping must restore the cache exactly, and padded chunks grow it past max_length: dynamic
+        # full-attention and sliding-window layers only (they roll back; static, quantized, offloaded and
+        # linear-attention / state-space layers do not)
         layers = getattr(cache, "layers", None) or []
-        odd = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
+        odd = sorted({type(layer).__name__ for layer in layers if type(layer) not in _ROLLBACK_LAYERS})
         if odd or not getattr(cache, "is_croppable", False):
+            model_type = getattr(model.config, "model_type", type(model).__name__)
             raise ValueError(
-                f"MARS decoding crops the KV cache after every step; {type(cache).__name__} "
-                f"({', '.join(odd) or 'not croppable'}) does not support that. Use the default dynamic cache "
-                "(do not set cache_implementation) on a model without sliding-window or linear-attention layers."
+                f"MARS decoding rolls the KV cache back after every step; {type(cache).__name__} of {model_type!r} "
+                f"({', '.join(odd) or 'not croppable'}) cannot do that. Use the default dynamic cache (do not set "
+                "cache_implementation); models with linear-attention or state-space layers are not supported."
             )
     for key, value in model_kwargs.items():
         if key in _LOOP_KWARGS:
@@ -503,6 +506,12 @@ class _MARSDecoder:
             from transformers import DynamicCache
 
             self.cache = DynamicCache(config=model.config)
+        # sliding-window layers count cache columns, so a masked-out column inside the window would shorten it:
+        # they keep their past until each crop (rollback), and batch rows move in lockstep (no ragged columns)
+        self.sliding = any(type(layer) is DynamicSlidingWindowLayer for layer in getattr(self.cache, "layers", []))
+        if self.sliding:
+            self.cache.activate_past_recording()
+            self.exact = self.exact or b > 1
         self.cache_attn = None  # 2D mask over the cache's columns (None while every column is real)
         self.cache_len = 0
         self.extra_forward_kwargs = {k: v for k, v in model_kwargs.items() if k not in _LOOP_KWARGS}
@@ -721,7 +730,7 @@ class _MARSDecoder:
             keep_cols -= extra
         else:
             drop = width - keep_cols
-        if drop:
+        if drop or self.sliding:  # crop(0) trims sliding layers back to their window
             self.cache.crop(-drop)
         if keep_cols:
             if col_real is not None or self.cache_attn is not None or leftover:

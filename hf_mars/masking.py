@@ -70,10 +70,13 @@ def build_noisy_input_ids(input_ids: torch.Tensor, labels: torch.Tensor, mask_to
                                                        device=input_ids.device), input_ids)
 
 
-def mars_allowed(position_ids: torch.Tensor, block_size: int, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+def mars_allowed(position_ids: torch.Tensor, block_size: int, padding_mask: torch.Tensor | None = None,
+                 sliding_window: int | None = None) -> torch.Tensor:
     """Dense boolean ``(batch, 2n, 2n)`` table of the MARS rule (True = query may attend key).
 
-    Rows/columns ``0..n-1`` are the noisy stream, ``n..2n-1`` the clean stream.
+    Rows/columns ``0..n-1`` are the noisy stream, ``n..2n-1`` the clean stream. With ``sliding_window``
+    (a sliding-attention layer) a query also sees only keys fewer than ``sliding_window`` positions back,
+    as the model's own sliding-window layers do at inference.
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -85,6 +88,8 @@ def mars_allowed(position_ids: torch.Tensor, block_size: int, padding_mask: torc
     idx = torch.arange(n, device=device)
     causal = (idx[None, :] <= idx[:, None])[None]  # (1, n, n): key index <= query index
     same = (seq[:, :, None] == seq[:, None, :]) & valid[:, None, :]
+    if sliding_window is not None:
+        same = same & (position_ids[:, :, None] - position_ids[:, None, :] < sliding_window)
     same_block = blk[:, :, None] == blk[:, None, :]
     earlier_block = blk[:, None, :] < blk[:, :, None]
     clean_clean = same & causal
@@ -99,13 +104,15 @@ def mars_allowed(position_ids: torch.Tensor, block_size: int, padding_mask: torc
     return torch.where(pad_q[:, :, None], eye, allowed)
 
 
-def mars_mask_mod(position_ids: torch.Tensor, block_size: int, padding_mask: torch.Tensor | None = None):
+def mars_mask_mod(position_ids: torch.Tensor, block_size: int, padding_mask: torch.Tensor | None = None,
+                  sliding_window: int | None = None):
     """A flex_attention ``mask_mod`` computing the same rule as `mars_allowed` index by index."""
     b, n = position_ids.shape
     valid = (torch.ones(b, n, dtype=torch.bool, device=position_ids.device) if padding_mask is None
              else padding_mask.bool())
     seq2 = sequence_ids_from_positions(position_ids).repeat(1, 2)
     blk2 = torch.div(position_ids, block_size, rounding_mode="floor").repeat(1, 2)
+    pos2 = position_ids.repeat(1, 2)
     valid2 = valid.repeat(1, 2)
 
     def mask_mod(batch_idx, head_idx, q_idx, kv_idx):
@@ -114,6 +121,8 @@ def mars_mask_mod(position_ids: torch.Tensor, block_size: int, padding_mask: tor
         q_tok = torch.where(q_noisy, q_idx, q_idx - n)
         kv_tok = torch.where(kv_noisy, kv_idx, kv_idx - n)
         same = (seq2[batch_idx, q_idx] == seq2[batch_idx, kv_idx]) & valid2[batch_idx, kv_idx]
+        if sliding_window is not None:
+            same = same & (pos2[batch_idx, q_idx] - pos2[batch_idx, kv_idx] < sliding_window)
         causal = kv_tok <= q_tok
         bq = blk2[batch_idx, q_idx]
         bk = blk2[batch_idx, kv_idx]
@@ -127,7 +136,8 @@ def mars_mask_mod(position_ids: torch.Tensor, block_size: int, padding_mask: tor
 
 
 def build_mars_attention_mask(position_ids: torch.Tensor, block_size: int, padding_mask: torch.Tensor | None = None,
-                              attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32):
+                              attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32,
+                              sliding_window: int | None = None):
     """The MARS attention mask over ``[z ; x]``, in the form ``attn_implementation`` consumes.
 
     - ``"sdpa"``: boolean ``(batch, 1, 2n, 2n)``, True = attend;
@@ -136,7 +146,8 @@ def build_mars_attention_mask(position_ids: torch.Tensor, block_size: int, paddi
     - ``"flex_attention"``: a ``BlockMask`` (masked tiles are skipped, unlike a dense mask).
 
     ``position_ids`` are the ``(batch, n)`` positions of one stream (both streams share them);
-    ``padding_mask`` is the 2D attention mask (1 = real token).
+    ``padding_mask`` is the 2D attention mask (1 = real token); ``sliding_window`` restricts every query to
+    keys fewer than that many positions back (for sliding-attention layers).
     """
     if position_ids.dim() != 2:
         raise ValueError(f"position_ids must be 2D (batch, length), got shape {tuple(position_ids.shape)}")
@@ -147,9 +158,9 @@ def build_mars_attention_mask(position_ids: torch.Tensor, block_size: int, paddi
         from torch.nn.attention.flex_attention import create_block_mask
 
         b, n = position_ids.shape
-        return create_block_mask(mars_mask_mod(position_ids, block_size, padding_mask), B=b, H=None,
+        return create_block_mask(mars_mask_mod(position_ids, block_size, padding_mask, sliding_window), B=b, H=None,
                                  Q_LEN=2 * n, KV_LEN=2 * n, device=position_ids.device)
-    allowed = mars_allowed(position_ids, block_size, padding_mask)[:, None]
+    allowed = mars_allowed(position_ids, block_size, padding_mask, sliding_window)[:, None]
     if attn_implementation == "sdpa":
         return allowed
     if attn_implementation.startswith("flash"):
@@ -159,3 +170,33 @@ def build_mars_attention_mask(position_ids: torch.Tensor, block_size: int, paddi
         )
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+# layer types whose attention this rule can express (a window is a restriction of the same rule)
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def model_attention_layout(config) -> tuple[dict[str, int | None], bool]:
+    """``({layer type: sliding window or None}, per_layer)`` for a decoder config.
+
+    ``per_layer`` is True when the model takes one mask per layer type (a dict, keyed by
+    ``config.layer_types``); otherwise one mask serves every layer (Mistral-style configs with a
+    ``sliding_window`` apply it to all layers). Layer types the MARS rule cannot express (linear
+    attention, state-space, chunked attention) raise a ValueError naming the model type.
+    """
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = getattr(config, "model_type", type(config).__name__)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        odd = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
+        if odd:
+            raise ValueError(
+                f"MARS does not support {model_type!r}: its layer types {odd} keep a recurrent or chunked state that "
+                "the MARS attention rule cannot express and whose cache cannot roll back. Supported layer types: "
+                f"{list(SUPPORTED_LAYER_TYPES)}."
+            )
+        return {t: (window if t == "sliding_attention" else None) for t in dict.fromkeys(layer_types)}, True
+    if getattr(config, "use_sliding_window", True) is False:
+        window = None
+    return {"full_attention": window}, False

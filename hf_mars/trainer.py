@@ -21,6 +21,7 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from .masking import (
     build_mars_attention_mask,
+    model_attention_layout,
     build_noisy_input_ids,
     positions_from_attention_mask,
     sequence_ids_from_positions,
@@ -310,6 +311,9 @@ class MARSTrainer(SFTTrainer):
         set_mars_metadata(model.config, block_size=int(args.block_size), mask_token_id=int(self.mask_token_id),
                           mask_token=args.mask_token, ar_weight=float(args.ar_weight))
 
+        if getattr(model.config, "is_encoder_decoder", False):
+            raise ValueError(f"MARS trains decoder-only causal LMs; {model.config.model_type!r} is encoder-decoder.")
+        model_attention_layout(model.config)  # refuses layer types the MARS rule cannot express, before any step
         attn = getattr(model.config, "_attn_implementation", None) or "eager"
         if "flash" in attn or attn == "paged_attention":
             raise ValueError(
@@ -410,7 +414,12 @@ class MARSTrainer(SFTTrainer):
         unwrapped = self.accelerator.unwrap_model(model)
         attn = getattr(unwrapped.config, "_attn_implementation", None) or "eager"
         emb_dtype = unwrapped.get_input_embeddings().weight.dtype
-        mask = build_mars_attention_mask(position_ids, block_size, valid, attn_implementation=attn, dtype=emb_dtype)
+        # one mask per attention layer type: sliding-window layers see the same rule inside their window
+        layout, per_layer = model_attention_layout(unwrapped.config)
+        masks = {layer_type: build_mars_attention_mask(position_ids, block_size, valid, attn_implementation=attn,
+                                                       dtype=emb_dtype, sliding_window=window)
+                 for layer_type, window in layout.items()}
+        mask = masks if per_layer else masks["full_attention"]
         outputs = model(
             input_ids=torch.cat([noisy_ids, input_ids], dim=1),
             attention_mask=mask,

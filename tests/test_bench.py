@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from hf_mars import bench
+from hf_mars.demo import bench
 
 
 def cli_main(argv):
@@ -51,6 +51,14 @@ def test_cli_json_structure_and_sanity(tmp_path, checkpoint, capsys):
     for column in ("batch", "mode", "tau", "cache", "tok/fwd", "tok/s", "speedup", "limit", "eff"):
         assert column in table
 
+    # one report schema: the bench's own JSON renders in a model card (threshold / speedup_vs_ar rows)
+    from hf_mars.hub import _benchmark_table
+
+    card_table = _benchmark_table(out)
+    names = [row["name"] for row in card_table["rows"]]
+    assert any(n.startswith("MARS verify") for n in names) and sum(n.startswith("MARS") for n in names) == 3
+    assert all(row["speedup"].endswith("×") for row in card_table["rows"])
+
     assert result["machine"]["torch_threads"] == 1 and result["machine"]["cpu_count"] >= 1
     assert result["settings"]["block_size"] == 4 and result["settings"]["max_new_tokens"] == 10
     assert set(result["step_costs"]) == {"1", "2"}
@@ -61,18 +69,18 @@ def test_cli_json_structure_and_sanity(tmp_path, checkpoint, capsys):
     rows = result["rows"]
     # per batch size: AR + 2 tau x 2 caches + 1 verify
     assert len(rows) == 2 * 6
-    assert [(r["mode"], r["tau"], r["cache"]) for r in rows[:6]] == [
+    assert [(r["mode"], r["threshold"], r["cache"]) for r in rows[:6]] == [
         ("ar", None, None), ("mars", 1.0, "sliding"), ("mars", 0.0, "sliding"), ("mars", 1.0, "block"),
         ("mars", 0.0, "block"), ("verify", 0.0, "sliding"),
     ]
     for r in rows:
         assert 0 < r["tokens"] <= 2 * 10  # two prompts per configuration, at most max_new_tokens each
-        assert r["tokens_per_s"] > 0 and r["speedup"] > 0 and r["time_s"] > 0
+        assert r["tokens_per_s"] > 0 and r["speedup_vs_ar"] > 0 and r["time_s"] > 0
         assert r["tokens_per_forward"] >= 1.0
         assert r["forward_calls"] >= 1
         assert 0.0 <= r["accuracy"] <= 1.0 and r["accuracy_n"] == 2  # the 2 prompts used carry answers
         if r["mode"] == "ar":
-            assert r["tokens_per_forward"] == 1.0 and r["speedup"] == 1.0
+            assert r["tokens_per_forward"] == 1.0 and r["speedup_vs_ar"] == 1.0
             assert r["forward_calls_consistent"]
         else:
             assert r["limit"] > 0 and r["efficiency"] > 0 and r["ideal"] > 0 and r["limit_w"] > 0
@@ -81,11 +89,11 @@ def test_cli_json_structure_and_sanity(tmp_path, checkpoint, capsys):
                 assert r["stats_emitted_tokens"] == r["tokens"]
     # exactness the benchmark reports: tau = 1 and verify mode reproduce greedy decoding
     for r in rows:
-        if r["mode"] == "verify" or (r["mode"] == "mars" and r["tau"] == 1.0):
+        if r["mode"] == "verify" or (r["mode"] == "mars" and r["threshold"] == 1.0):
             assert r["matches_ar"] == 1.0, r
             assert r["tokens"] == next(a["tokens"] for a in rows if a["mode"] == "ar" and a["batch_size"] == r["batch_size"])
     # tau = 0 on a random model accepts nearly every mask candidate (sliding window: up to B tokens per forward)
-    fast = [r for r in rows if r["mode"] == "mars" and r["tau"] == 0.0 and r["cache"] == "sliding"]
+    fast = [r for r in rows if r["mode"] == "mars" and r["threshold"] == 0.0 and r["cache"] == "sliding"]
     assert all(r["tokens_per_forward"] > 2.0 for r in fast), fast
 
 

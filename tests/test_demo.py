@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hf_mars.demo import THRESHOLDS, base_model_path, pick_quality_threshold
+from hf_mars.demo.pipeline import THRESHOLDS, base_model_path, pick_quality_threshold
 
 
 def test_shipped_base_is_small_safetensors():
@@ -113,7 +113,7 @@ def test_quick_demo_checkpoint_generates(quick_run):
 
 def test_output_dir_is_never_clobbered(tmp_path, capsys):
     from hf_mars.cli import main
-    from hf_mars.demo import DEMO_MARKER, _prepare_output_dir
+    from hf_mars.demo.pipeline import DEMO_MARKER, _prepare_output_dir
 
     foreign = tmp_path / "mine"
     foreign.mkdir()
@@ -138,7 +138,7 @@ def test_quick_demo_left_no_scratch_and_a_fresh_checkpoint(quick_run):
 
 
 def test_intervals_and_paired_test():
-    from hf_mars.demo import paired_comparison, wilson_interval
+    from hf_mars.demo.pipeline import paired_comparison, wilson_interval
 
     lo, hi = wilson_interval(307, 320)
     assert 0.93 < lo < 0.935 and 0.975 < hi < 0.977  # 95.9% of 320

@@ -18,7 +18,7 @@ import torch
 
 from hf_mars import add_mask_token, save_for_hub
 from hf_mars import hub
-from hf_mars.tiny import build_char_tokenizer, tiny_qwen2
+from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
 from hf_mars.tokens import set_mars_metadata
 
 REPO_ID = "mars-org/tiny-mars"
@@ -77,7 +77,7 @@ def saved(tmp_path_factory):
 def trained(tmp_path_factory):
     """(model, tokenizer, output_dir) of a 2-step MARSTrainer run saving checkpoint-1, checkpoint-2 and save_model."""
     from hf_mars import MARSConfig, MARSTrainer
-    from hf_mars.data import make_dataset
+    from hf_mars.demo.data import make_dataset
 
     tok = build_char_tokenizer()
     model = tiny_qwen2(tok, hidden_size=32)

@@ -14,7 +14,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from hf_mars.generation import enable_mars
-from hf_mars.tiny import build_char_tokenizer
+from hf_mars.demo.tiny import build_char_tokenizer
 
 xgr = pytest.importorskip("xgrammar")
 outlines = pytest.importorskip("outlines")
@@ -35,7 +35,7 @@ MAX_NEW = 64
 @pytest.fixture(scope="module", params=["qwen2", "gpt2-aligned"])
 def model_and_tok(request):
     from hf_mars import add_mask_token
-    from hf_mars.tiny import tiny_qwen2
+    from hf_mars.demo.tiny import tiny_qwen2
 
     tok = build_char_tokenizer()
     if request.param == "qwen2":

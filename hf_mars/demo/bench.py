@@ -108,7 +108,7 @@ def to_record(item, where: str = "prompt") -> dict:
 
 def load_prompts(path: str | os.PathLike | None = None, limit: int | None = None) -> list[dict]:
     """Prompt records (see `to_record`) from a .txt (one per line), .jsonl or .json file; without a path
-    the demo's held-out prompts (`hf_mars.data`, with answers, so accuracy is reported), else a small
+    the demo's held-out prompts (`hf_mars.demo.data`, with answers, so accuracy is reported), else a small
     built-in list."""
     if path is None:
         records = _default_prompts()
@@ -134,18 +134,18 @@ def load_prompts(path: str | os.PathLike | None = None, limit: int | None = None
 
 
 def _default_prompts(n: int = 64) -> list[dict]:
-    """The demo's held-out split (tasks interleaved, answers known) when hf_mars.data is present, else built-ins."""
+    """The demo's held-out split (tasks interleaved, answers known) when hf_mars.demo.data is present, else built-ins."""
     try:
-        from hf_mars.data import generate_examples
+        from hf_mars.demo.data import generate_examples
     except ImportError:  # pragma: no cover - depends on which modules exist
         return [to_record(p) for p in BUILTIN_PROMPTS]
-    return [to_record(ex, "hf_mars.data") for ex in generate_examples(n, seed=0, split="eval")]
+    return [to_record(ex, "hf_mars.demo.data") for ex in generate_examples(n, seed=0, split="eval")]
 
 
 def _score(record: dict, prediction: str) -> bool:
     """Exact whole-answer match (the demo's own scorer when the task is one of its tasks)."""
     try:
-        from hf_mars.data import TASKS, score
+        from hf_mars.demo.data import TASKS, score
 
         if record["task"] in TASKS:
             return bool(score(record["task"], prediction, record["answer"]))
@@ -375,7 +375,7 @@ class RunSpec:
     """One decoding configuration of the benchmark."""
 
     mode: str  # "ar" | "mars" | "verify"
-    tau: float | None = None
+    threshold: float | None = None
     cache: str | None = None
     kwargs: dict = field(default_factory=dict)
 
@@ -383,7 +383,7 @@ class RunSpec:
     def label(self) -> str:
         if self.mode == "ar":
             return "ar"
-        return f"{self.mode}(tau={self.tau:g},cache={self.cache})"
+        return f"{self.mode}(tau={self.threshold:g},cache={self.cache})"
 
 
 def build_specs(thresholds, caches, verify_thresholds, block_size, cache_block, verify_cache="sliding"):
@@ -404,8 +404,8 @@ def build_specs(thresholds, caches, verify_thresholds, block_size, cache_block, 
             kw["mars_block_size"] = int(block_size)
         specs.append(RunSpec("verify", float(tau), verify_cache, kw))
     for spec in specs[1:]:
-        if not 0.0 <= spec.tau <= 1.0:
-            raise ValueError(f"Thresholds must lie in [0, 1], got {spec.tau}.")
+        if not 0.0 <= spec.threshold <= 1.0:
+            raise ValueError(f"Thresholds must lie in [0, 1], got {spec.threshold}.")
     return specs
 
 
@@ -440,6 +440,35 @@ def _generate_once(model, batch, spec: RunSpec, max_new_tokens: int, eos_ids, re
         "stats_emitted": None if stats_emit is None else torch.as_tensor(stats_emit).cpu().long(),
         "new_tokens": [new[i, : int(emitted[i])].tolist() for i in range(new.shape[0])],
     }
+
+
+def _generate_batch(model, batch, max_new_tokens, **gen_kwargs):
+    return model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True,
+                          **gen_kwargs)
+
+
+def time_interleaved(model, batches, runs: dict, repeats: int, progress=None, max_new_tokens: int = 64) -> dict:
+    """Wall-clock seconds of each named generate setting over ``batches``.
+
+    Settings are interleaved batch by batch (in rotating order) and each batch keeps its fastest repeat, so a
+    shared, noisy machine slows every setting alike instead of favouring whichever ran in a quiet moment.
+    """
+    names = list(runs)
+    best = [[float("inf")] * len(batches) for _ in names]
+    with torch.inference_mode():
+        for kwargs in runs.values():  # warm-up (first-call allocations, lazy imports)
+            _generate_batch(model, batches[0], max_new_tokens, **kwargs)
+        for rep in range(repeats):
+            for b, batch in enumerate(batches):
+                shift = (rep + b) % len(names)
+                for k in names[shift:] + names[:shift]:
+                    i = names.index(k)
+                    t0 = time.perf_counter()
+                    _generate_batch(model, batch, max_new_tokens, **runs[k])
+                    best[i][b] = min(best[i][b], time.perf_counter() - t0)
+            if progress is not None:
+                progress.update(len(names))
+    return {name: sum(best[i]) for i, name in enumerate(names)}
 
 
 def machine_info(device) -> dict:
@@ -628,7 +657,7 @@ def _summarise(b, spec, reps, costs, bsz):
     row = {
         "batch_size": b,
         "mode": spec.mode,
-        "tau": spec.tau,
+        "threshold": spec.threshold,
         "cache": spec.cache,
         "generate_kwargs": spec.kwargs,
         "tokens": tokens,
@@ -657,7 +686,7 @@ def _summarise(b, spec, reps, costs, bsz):
 def _relative(row, ar, costs):
     """Speed-up over AR, the limit tok/fwd x cost(1)/cost(1+B), efficiency and the zero-overhead ideal."""
     if row["mode"] == "ar":
-        row.update(speedup=1.0, speedup_min=1.0, limit=None, efficiency=None, limit_w=None, ideal=1.0)
+        row.update(speedup_vs_ar=1.0, speedup_min=1.0, limit=None, efficiency=None, limit_w=None, ideal=1.0)
         return
     speedup = row["tokens_per_s"] / ar["tokens_per_s"]
     row["speedup_min"] = row["tokens_per_s_min"] / ar["tokens_per_s_min"]
@@ -672,7 +701,7 @@ def _relative(row, ar, costs):
     ar_rate_model = ar["tokens"] / ar["model_time_s"] if ar["model_time_s"] > 0 else float("nan")
     mars_rate_model = row["tokens"] / row["model_time_s"] if row["model_time_s"] > 0 else float("nan")
     row.update(
-        speedup=speedup,
+        speedup_vs_ar=speedup,
         limit=limit,
         efficiency=speedup / limit if limit > 0 else float("nan"),
         ideal=mars_rate_model / ar_rate_model,
@@ -685,11 +714,11 @@ def _relative(row, ar, costs):
 COLUMNS = [
     ("batch", "batch_size", "{:d}"),
     ("mode", "mode", "{}"),
-    ("tau", "tau", "{:g}"),
+    ("tau", "threshold", "{:g}"),
     ("cache", "cache", "{}"),
     ("tok/fwd", "tokens_per_forward", "{:.2f}"),
     ("tok/s", "tokens_per_s", "{:.1f}"),
-    ("speedup", "speedup", "{:.2f}x"),
+    ("speedup", "speedup_vs_ar", "{:.2f}x"),
     ("(best)", "speedup_min", "{:.2f}x"),
     ("limit", "limit", "{:.2f}x"),
     ("eff", "efficiency", "{:.0%}"),

@@ -1,6 +1,6 @@
 """`hf-mars demo`: MARS end to end on a laptop CPU, offline, in minutes.
 
-What it does, from the tiny AR-SFT model shipped in ``hf_mars/assets/tiny-base``
+What it does, from the tiny AR-SFT model shipped in ``hf_mars/demo/assets/tiny-base``
 (a character-level Qwen2 trained by plain TRL SFT on the bundled tasks,
 see ``examples/build_tiny_base.py``):
 
@@ -9,7 +9,7 @@ see ``examples/build_tiny_base.py``):
    meet when decoding);
 2. a compute-matched AR-SFT baseline: plain `SFTTrainer` from the same base on the same examples
    (uncut), same steps, batch and LR;
-3. evaluation on the held-out split (``hf_mars.data``): exact-match accuracy per task and overall and
+3. evaluation on the held-out split (``hf_mars.demo.data``): exact-match accuracy per task and overall and
    tokens per forward, for every threshold in the sweep and for the lossless verify mode;
 4. wall-clock against plain `generate` (greedy, KV cache) on the same checkpoint, batch sizes 1/4/16,
    sliding and block cache, timed in the same run, interleaved;
@@ -29,6 +29,8 @@ from pathlib import Path
 THRESHOLDS = (1.0, 0.99, 0.98, 0.95, 0.9, 0.8, 0.7, 0.5)
 BATCH_SIZES = (1, 4, 16)
 CACHES = ("sliding", "block")
+from hf_mars.demo.bench import _generate_batch, time_interleaved  # noqa: E402  (the one timing harness)
+
 QUALITY_MARGIN = 0.015  # "quality-keeping": within 1.5 accuracy points of tau = 1.0 (our quality-keeping criterion)
 MAX_NEW_TOKENS = 64  # the longest bundled answer is ~50 characters
 
@@ -55,8 +57,7 @@ def _encode_batches(tokenizer, prompts, batch_size):
 
 
 def _generate(model, batch, max_new_tokens=MAX_NEW_TOKENS, **gen_kwargs):
-    return model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True,
-                          **gen_kwargs)
+    return _generate_batch(model, batch, max_new_tokens, **gen_kwargs)
 
 
 def generate_texts(model, tokenizer, prompts, batch_size=64, max_new_tokens=MAX_NEW_TOKENS, progress=None,
@@ -83,7 +84,7 @@ def generate_texts(model, tokenizer, prompts, batch_size=64, max_new_tokens=MAX_
 
 
 def _score(examples, texts) -> dict:
-    from hf_mars.data import accuracy
+    from hf_mars.demo.data import accuracy
 
     return accuracy([ex["task"] for ex in examples], texts, [ex["messages"][1]["content"] for ex in examples])
 
@@ -121,32 +122,6 @@ def _per_task_tpf(examples, model, tokenizer, batch_size, progress, **gen_kwargs
                           "tokens_per_forward": sum(emit_rows[i] for i in idx) / max(sum(fwd_rows[i] for i in idx), 1)}
     return {"accuracy": acc["overall"], "tokens_per_forward": sum(emit_rows) / max(sum(fwd_rows), 1),
             "per_task": per_task, "predictions": texts}
-
-
-def _time_runs(model, batches, runs: dict, repeats: int, progress=None) -> dict:
-    """Wall-clock seconds of each named generate setting over ``batches``.
-
-    Settings are interleaved batch by batch (in rotating order) and each batch keeps its fastest repeat, so a
-    shared, noisy machine slows every setting alike instead of favouring whichever ran in a quiet moment.
-    """
-    import torch
-
-    names = list(runs)
-    best = [[float("inf")] * len(batches) for _ in names]
-    with torch.inference_mode():
-        for kwargs in runs.values():  # warm-up (first-call allocations, lazy imports)
-            _generate(model, batches[0], **kwargs)
-        for rep in range(repeats):
-            for b, batch in enumerate(batches):
-                shift = (rep + b) % len(names)
-                for k in names[shift:] + names[:shift]:
-                    i = names.index(k)
-                    t0 = time.perf_counter()
-                    _generate(model, batch, **runs[k])
-                    best[i][b] = min(best[i][b], time.perf_counter() - t0)
-            if progress is not None:
-                progress.update(len(names))
-    return {name: sum(best[i]) for i, name in enumerate(names)}
 
 
 def _mars_kwargs(threshold, block_size, cache="sliding", verify=False):
@@ -439,7 +414,16 @@ def _prepare_output_dir(out: Path) -> Path:
     return out
 
 
+def _require_matplotlib() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("hf-mars demo draws pareto.png with matplotlib, which is not installed: "
+                         "pip install 'hf-mars[demo]' (or pip install matplotlib).")
+
+
 def run(args) -> int:
+    _require_matplotlib()  # before minutes of training, not after
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _resolve(args)
@@ -449,7 +433,7 @@ def run(args) -> int:
     from transformers import set_seed
     from transformers.utils import logging as hf_logging
 
-    from hf_mars.data import TASKS, generate_examples
+    from hf_mars.demo.data import TASKS, generate_examples
     from hf_mars.generation import enable_mars
 
     hf_logging.set_verbosity_error()
@@ -493,7 +477,7 @@ def run(args) -> int:
         verify_res = _per_task_tpf(eval_examples, mars_model, tokenizer, eval_bs, bar,
                                    **_mars_kwargs(args.verify_threshold, B, verify=True))
 
-    from hf_mars.data import score
+    from hf_mars.demo.data import score
 
     def hits(predictions):  # per-question correctness, for intervals and the paired test
         return [score(ex["task"], p, ex["messages"][1]["content"]) for ex, p in zip(eval_examples, predictions)]
@@ -514,18 +498,18 @@ def run(args) -> int:
         runs = {"ar": {}}
         runs.update({f"tau={tau:g}": _mars_kwargs(tau, B) for tau in THRESHOLDS})
         runs["verify"] = _mars_kwargs(args.verify_threshold, B, verify=True)
-        timings[1] = _time_runs(mars_model, batches, runs, args.timing_repeats, bar)
+        timings[1] = time_interleaved(mars_model, batches, runs, args.timing_repeats, bar)
         for bs in BATCH_SIZES[1:]:
             batches = _encode_batches(tokenizer, timing_prompts, bs)
             runs = {"ar": {}}
             for cache in CACHES:
                 runs[f"tau*:{cache}"] = _mars_kwargs(tau_star, B, cache=cache)
             runs["verify:sliding"] = _mars_kwargs(args.verify_threshold, B, verify=True)  # verify keeps its own sliding cache
-            timings[bs] = _time_runs(mars_model, batches, runs, args.timing_repeats, bar)
+            timings[bs] = time_interleaved(mars_model, batches, runs, args.timing_repeats, bar)
         # batch 1, block cache (the sliding figures at batch 1 come from the sweep above)
         batches = _encode_batches(tokenizer, timing_prompts, 1)
         runs = {"tau*:block": _mars_kwargs(tau_star, B, cache="block")}
-        timings[1].update(_time_runs(mars_model, batches, runs, args.timing_repeats, bar))
+        timings[1].update(time_interleaved(mars_model, batches, runs, args.timing_repeats, bar))
         timings[1][f"tau*:sliding"] = timings[1][f"tau={tau_star:g}"]
         timings[1]["verify:sliding"] = timings[1]["verify"]
 
@@ -576,7 +560,7 @@ def run(args) -> int:
                      "base": str(base)},
         "num_examples": n_eval,
         "max_new_tokens": MAX_NEW_TOKENS,
-        "task": "hf_mars.data held-out split (" + ", ".join(per_task) + ")",
+        "task": "hf_mars.demo.data held-out split (" + ", ".join(per_task) + ")",
         "device": f"CPU, {torch.get_num_threads()} threads",
         "command": "hf-mars demo" + (" --quick" if args.quick else ""),
         "description": "Tiny character-level Qwen2 fine-tuned with MARS by `hf-mars demo` on the bundled tasks.",
