@@ -28,6 +28,8 @@ import torch
 
 __all__ = [
     "build_mars_attention_mask",
+    "build_model_mars_mask",
+    "model_attention_layout",
     "mars_allowed",
     "mars_mask_mod",
     "build_noisy_input_ids",
@@ -200,3 +202,15 @@ def model_attention_layout(config) -> tuple[dict[str, int | None], bool]:
     if getattr(config, "use_sliding_window", True) is False:
         window = None
     return {"full_attention": window}, False
+
+
+def build_model_mars_mask(config, position_ids: torch.Tensor, block_size: int,
+                          padding_mask: torch.Tensor | None = None, attn_implementation: str = "sdpa",
+                          dtype: torch.dtype = torch.float32):
+    """The MARS mask in the form this model's forward takes: one mask, or a dict keyed by its layer types
+    (transformers 5 models with ``config.layer_types`` accept ``{"full_attention": ..., "sliding_attention": ...}``)."""
+    layout, per_layer = model_attention_layout(config)
+    masks = {layer_type: build_mars_attention_mask(position_ids, block_size, padding_mask, attn_implementation,
+                                                   dtype, sliding_window=window)
+             for layer_type, window in layout.items()}
+    return masks if per_layer else masks["full_attention"]

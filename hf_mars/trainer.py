@@ -20,7 +20,7 @@ from trl import SFTConfig, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from .masking import (
-    build_mars_attention_mask,
+    build_model_mars_mask,
     model_attention_layout,
     build_noisy_input_ids,
     positions_from_attention_mask,
@@ -224,6 +224,37 @@ def _has_trainable_token(dataset) -> bool:
     return False
 
 
+class _RouterLogits:
+    """Records a MoE model's router logits during one forward (the hooks transformers itself uses for
+    ``output_router_logits``), so the load-balancing loss can be computed on the clean stream alone."""
+
+    def __init__(self, model):
+        self.logits = []
+        base = getattr(model, "model", model)
+        recorder = (getattr(type(base), "_can_record_outputs", None) or {}).get("router_logits")
+        target = getattr(recorder, "target_class", None)
+        index = getattr(recorder, "index", 0)
+        self.handles = [] if target is None else [
+            module.register_forward_hook(
+                lambda _m, _i, out: self.logits.append(out[index] if isinstance(out, (tuple, list)) else out))
+            for module in model.modules() if isinstance(module, target)]
+
+    def close(self):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def clean_stream_loss(self, model, n, valid):
+        import sys
+
+        config = model.config.get_text_config()
+        loss_fn = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func")
+        b = valid.shape[0]
+        clean = tuple(logits.reshape(b, 2 * n, -1)[:, n:].reshape(b * n, -1) for logits in self.logits)
+        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+        return loss_fn(clean, experts, config.num_experts_per_tok, valid.long())
+
+
 class MARSTrainer(SFTTrainer):
     """`SFTTrainer` that trains with the MARS objective (noisy mask stream + clean AR stream).
 
@@ -415,19 +446,23 @@ class MARSTrainer(SFTTrainer):
         attn = getattr(unwrapped.config, "_attn_implementation", None) or "eager"
         emb_dtype = unwrapped.get_input_embeddings().weight.dtype
         # one mask per attention layer type: sliding-window layers see the same rule inside their window
-        layout, per_layer = model_attention_layout(unwrapped.config)
-        masks = {layer_type: build_mars_attention_mask(position_ids, block_size, valid, attn_implementation=attn,
-                                                       dtype=emb_dtype, sliding_window=window)
-                 for layer_type, window in layout.items()}
-        mask = masks if per_layer else masks["full_attention"]
-        outputs = model(
-            input_ids=torch.cat([noisy_ids, input_ids], dim=1),
-            attention_mask=mask,
-            position_ids=torch.cat([position_ids, position_ids], dim=1),
-            shift_labels=torch.cat([targets, targets], dim=1),
-            fused_lm_head=True,
-            use_cache=False,
-        )
+        mask = build_model_mars_mask(unwrapped.config, position_ids, block_size, valid, attn, emb_dtype)
+        moe_aux = getattr(self, "aux_loss_enabled", False)  # SFTTrainer: MoE config with a router aux coefficient
+        router = _RouterLogits(unwrapped) if moe_aux else None
+        try:
+            outputs = model(
+                input_ids=torch.cat([noisy_ids, input_ids], dim=1),
+                attention_mask=mask,
+                position_ids=torch.cat([position_ids, position_ids], dim=1),
+                shift_labels=torch.cat([targets, targets], dim=1),
+                fused_lm_head=True,
+                use_cache=False,
+                # the model's own aux loss reads a 2D padding mask; MARS adds it below, on the clean stream
+                **({"output_router_logits": False} if moe_aux else {}),
+            )
+        finally:
+            if router is not None:
+                router.close()
         nll = -outputs.log_probs.float()  # zero where the target is ignored
         nll_noisy, nll_clean = nll[:, :n], nll[:, n:]
         is_target = targets != -100
@@ -446,6 +481,13 @@ class MARSTrainer(SFTTrainer):
             local_den = is_target.sum()
         den = local_den.clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         loss = (noisy_num + args.ar_weight * clean_num) / den
+        if router is not None and router.logits:
+            # MoE load balancing, exactly as the model's forward computes it for an SFT batch, over the clean stream
+            # only: that stream is the ordinary SFT input (so clean CE + aux is the model's own MoE SFT loss), while
+            # the noisy stream is mostly one token, the mask, whose routing would dominate the balance statistics
+            aux = router.clean_stream_loss(unwrapped, n, valid)
+            loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
+            self._metrics[mode]["aux_loss"].append(float(aux.detach()))
         if model.training and not bool(torch.isfinite(loss)):  # stop before the optimizer spreads NaN to every weight
             bad = [name for name, v in (("noisy (mask) stream", noisy_num), ("clean (AR) stream", clean_num))
                    if not bool(torch.isfinite(v))] or ["the normaliser"]
