@@ -28,30 +28,58 @@ def set_mars_metadata(config, **fields) -> dict:
     return meta
 
 
-def add_mask_token(model, tokenizer, mask_token: str = DEFAULT_MASK_TOKEN) -> int:
+_ROLES = (("eos_token", "the EOS token (generation would never stop: MARS never emits the mask)"),
+          ("pad_token", "the padding token"), ("bos_token", "the BOS token"), ("unk_token", "the unknown token"),
+          ("sep_token", "the separator token"), ("cls_token", "the CLS token"))
+
+
+def _existing_role(tokenizer, token: str) -> str | None:
+    """What ``tokenizer`` already uses ``token`` for, or None when it is free to become the mask."""
+    for attr, role in _ROLES:
+        if getattr(tokenizer, attr, None) == token:
+            return role
+    if token in set(tokenizer.all_special_tokens):
+        return "a special token of this tokenizer (e.g. a chat-template marker)"
+    if token in tokenizer.get_vocab():
+        return "an ordinary token of its vocabulary (real text would look like masks)"
+    template = getattr(tokenizer, "chat_template", None)
+    templates = template.values() if isinstance(template, dict) else [template]
+    if any(isinstance(t, str) and token in t for t in templates):
+        return "a marker its chat template writes"
+    return None
+
+
+def add_mask_token(model, tokenizer, mask_token: str | None = None) -> int:
     """Make ``mask_token`` a special token of ``tokenizer`` and a row of ``model``'s embeddings.
 
-    Idempotent. Embeddings are resized only when the vocabulary outgrows them
-    (so a padded embedding matrix keeps its padding), and new rows start at the
-    mean embedding, which keeps the untrained mask from dominating attention.
-    The id is recorded in ``model.config.mars["mask_token_id"]``.
+    ``mask_token=None`` reuses the tokenizer's own registered mask token (Gemma-style ``<mask>``) when it has
+    one, else adds ``<|mask|>``. A token the tokenizer already uses for anything else (EOS, padding, BOS, a
+    chat marker, an ordinary vocabulary entry) is refused, and so is a string that does not look like a
+    special token (``<...>`` or ``[...]``): a word such as ``cat`` would turn real text into masks.
+
+    Idempotent. Embeddings are resized only when the vocabulary outgrows them (so a padded embedding matrix
+    keeps its padding), and new rows start at the mean embedding, which keeps the untrained mask from
+    dominating attention. The id is recorded in ``model.config.mars["mask_token_id"]``.
 
     Returns the mask token id.
     """
+    if mask_token is None:
+        mask_token = getattr(tokenizer, "mask_token", None) or DEFAULT_MASK_TOKEN
     if not isinstance(mask_token, str) or not mask_token:
         raise ValueError("mask_token must be a non-empty string, e.g. '<|mask|>'.")
-    vocab = tokenizer.get_vocab()
-    special = set(tokenizer.all_special_tokens)
-    added = set(getattr(tokenizer, "added_tokens_encoder", {}) or {})
-    if mask_token in vocab and mask_token not in special and mask_token not in added:
-        raise ValueError(
-            f"{mask_token!r} is an ordinary token of this tokenizer's vocabulary; using it as the MARS mask "
-            "would make real text look like a mask. Choose a string that is not in the vocabulary, e.g. '<|mask|>'."
-        )
-    if mask_token not in vocab:
+    if getattr(tokenizer, "mask_token", None) != mask_token:  # only the registered mask token may be reused
+        role = _existing_role(tokenizer, mask_token)
+        if role is not None:
+            raise ValueError(
+                f"{mask_token!r} cannot be the MARS mask token: it is {role}. Use a new string such as '<|mask|>'."
+            )
+        stripped = mask_token.strip()
+        if stripped != mask_token or not ((stripped[0], stripped[-1]) in (("<", ">"), ("[", "]")) and len(stripped) > 2):
+            raise ValueError(
+                f"{mask_token!r} does not look like a special token; as a mask it would turn real text into masks. "
+                "Use a delimited string such as '<|mask|>' or '[MASK]'."
+            )
         tokenizer.add_special_tokens({"mask_token": mask_token})
-    elif getattr(tokenizer, "mask_token", None) != mask_token:
-        tokenizer.mask_token = mask_token
     mask_id = tokenizer.convert_tokens_to_ids(mask_token)
     if mask_id is None or mask_id == getattr(tokenizer, "unk_token_id", None):
         raise ValueError(f"Could not register {mask_token!r} as a token of this tokenizer.")

@@ -70,9 +70,11 @@ class MARSConfig(SFTConfig):
         ar_weight (`float`, *optional*, defaults to `1.0`):
             Weight `α` of the AR (clean-stream) loss, which is exactly the ordinary SFT loss. With `0.0` the AR
             quality decays as `block_size` grows; the paper uses `1.0`.
-        mask_token (`str`, *optional*, defaults to `"<|mask|>"`):
-            The mask token. Added to the tokenizer (and a row to the embeddings, initialised at the mean embedding)
-            when absent; reused when present. It must not be an ordinary token of the vocabulary.
+        mask_token (`str` or `None`, *optional*, defaults to `None`):
+            The mask token. `None`: the tokenizer's own registered mask token when it has one (Gemma's `<mask>`),
+            else `"<|mask|>"`. Added to the tokenizer (and a row to the embeddings, initialised at the mean
+            embedding) when absent. A token the tokenizer already uses for anything else (EOS, padding, BOS, chat
+            markers, ordinary vocabulary) or a plain word is refused, with the role it has.
         loss_normalization (`str`, *optional*, defaults to `"sequence"`):
             How the summed token losses are normalised. `"sequence"` (the reference): each sequence's loss is
             divided by its number of trained tokens, then averaged over the sequences of the batch (with packing,
@@ -106,9 +108,11 @@ class MARSConfig(SFTConfig):
         default=1.0,
         metadata={"help": "Weight of the AR (clean-stream) loss added to the noisy-stream (mask) loss."},
     )
-    mask_token: str = field(
-        default=DEFAULT_MASK_TOKEN,
-        metadata={"help": "The mask token; added to the tokenizer and embeddings when absent."},
+    mask_token: str | None = field(
+        default=None,
+        metadata={"help": "The mask token. Default: the tokenizer's own registered mask token if it has one, else "
+                  f"{DEFAULT_MASK_TOKEN!r}, added to the tokenizer and embeddings. A token the tokenizer already uses "
+                  "for anything else is refused."},
     )
     loss_normalization: str = field(
         default="sequence",
@@ -146,8 +150,8 @@ class MARSConfig(SFTConfig):
             raise ValueError(
                 f"loss_normalization must be one of {_NORMALIZATIONS}, got {self.loss_normalization!r}."
             )
-        if not isinstance(self.mask_token, str) or not self.mask_token:
-            raise ValueError("mask_token must be a non-empty string, e.g. '<|mask|>'.")
+        if self.mask_token is not None and (not isinstance(self.mask_token, str) or not self.mask_token):
+            raise ValueError("mask_token must be a non-empty string, e.g. '<|mask|>' (or None for the default).")
         if self.loss_type not in ("nll", "chunked_nll"):
             raise ValueError(
                 f"MARSTrainer computes its own objective; loss_type={self.loss_type!r} is not supported. Leave "
@@ -340,7 +344,7 @@ class MARSTrainer(SFTTrainer):
                 if self.mask_token_id not in indices["embed_tokens"]:
                     indices["embed_tokens"].append(self.mask_token_id)
         set_mars_metadata(model.config, block_size=int(args.block_size), mask_token_id=int(self.mask_token_id),
-                          mask_token=args.mask_token, ar_weight=float(args.ar_weight))
+                          mask_token=tokenizer.convert_ids_to_tokens(self.mask_token_id), ar_weight=float(args.ar_weight))
 
         if getattr(model.config, "is_encoder_decoder", False):
             raise ValueError(f"MARS trains decoder-only causal LMs; {model.config.model_type!r} is encoder-decoder.")

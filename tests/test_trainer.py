@@ -149,7 +149,7 @@ def test_plain_text_dataset_and_mask_token_added(tmp_path):
 
 def test_config_defaults_and_validation(tmp_path):
     args = MARSConfig(output_dir=str(tmp_path), report_to=[])
-    assert (args.block_size, args.ar_weight, args.mask_token) == (4, 1.0, "<|mask|>")
+    assert (args.block_size, args.ar_weight, args.mask_token) == (4, 1.0, None)  # None: the tokenizer's mask, else <|mask|>
     assert args.loss_normalization == "sequence" and args.pad_to_block_multiple
     if not torch.cuda.is_available():  # no fast bf16 / no memory pressure on CPU
         assert args.bf16 is False and args.gradient_checkpointing is False
