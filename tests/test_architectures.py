@@ -181,3 +181,16 @@ def test_moe_aux_loss_is_the_models_own_on_the_clean_stream(arch, tok, tmp_path)
         own = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                     output_router_logits=True).aux_loss
     assert torch.isfinite(loss) and abs(got - float(own)) < 1e-4 * max(1.0, abs(float(own))), (got, float(own))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_half_precision_tau1_is_greedy(arch, dtype, tok):
+    """One-token steps are plain AR steps, so tau = 1 stays identical to greedy in bf16 / fp16 (verify mode may
+    round differently with wider steps: measured by benchmarks/half_precision.py, exact only in float32)."""
+    model = enable_mars(build(arch, tok)).to(dtype)
+    set_mars_metadata(model.config, block_size=4, trained_steps=1)
+    for prompts in (PROMPTS[:1], PROMPTS):
+        enc = tok(prompts, return_tensors="pt", padding=True)
+        plain = _generate(model, enc).sequences
+        assert torch.equal(_generate(model, enc, mars_threshold=1.0).sequences, plain)
