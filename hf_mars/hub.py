@@ -284,7 +284,9 @@ def write_generation_defaults(save_directory, mars: dict, model=None, config_dic
     gen_config.mars_threshold = float(threshold)
     gen_config.mars_block_size = block_size
     # a config flagged as derived from the model config drops unknown attributes (the MARS defaults) on load
-    gen_config._from_model_config = False
+    from hf_mars._compat import keep_generation_extras
+
+    keep_generation_extras(gen_config)
     gen_config.save_pretrained(directory)
     if model is not None and getattr(model, "generation_config", None) is not None:
         model.generation_config.mars_threshold = float(threshold)  # the live model decodes as the saved one

@@ -27,6 +27,7 @@ from .masking import (
     sequence_ids_from_positions,
     shift_labels_for_positions,
 )
+from ._compat import attn_implementation, router_logits_recorder, trl_count_train_tokens, trl_metrics
 from .generation import check_block_size
 from .tokens import DEFAULT_MASK_TOKEN, add_mask_token, set_mars_metadata
 
@@ -234,10 +235,7 @@ class _RouterLogits:
 
     def __init__(self, model):
         self.logits = []
-        base = getattr(model, "model", model)
-        recorder = (getattr(type(base), "_can_record_outputs", None) or {}).get("router_logits")
-        target = getattr(recorder, "target_class", None)
-        index = getattr(recorder, "index", 0)
+        target, index = router_logits_recorder(model) or (None, 0)
         self.handles = [] if target is None else [
             module.register_forward_hook(
                 lambda _m, _i, out: self.logits.append(out[index] if isinstance(out, (tuple, list)) else out))
@@ -349,7 +347,7 @@ class MARSTrainer(SFTTrainer):
         if getattr(model.config, "is_encoder_decoder", False):
             raise ValueError(f"MARS trains decoder-only causal LMs; {model.config.model_type!r} is encoder-decoder.")
         model_attention_layout(model.config)  # refuses layer types the MARS rule cannot express, before any step
-        attn = getattr(model.config, "_attn_implementation", None) or "eager"
+        attn = attn_implementation(model.config)
         if "flash" in attn or attn == "paged_attention":
             raise ValueError(
                 f"attn_implementation={attn!r} cannot express the MARS attention rule (a 2n x 2n mask). Load the "
@@ -447,7 +445,7 @@ class MARSTrainer(SFTTrainer):
         noisy_ids = build_noisy_input_ids(input_ids, labels, self.mask_token_id)
 
         unwrapped = self.accelerator.unwrap_model(model)
-        attn = getattr(unwrapped.config, "_attn_implementation", None) or "eager"
+        attn = attn_implementation(unwrapped.config)
         emb_dtype = unwrapped.get_input_embeddings().weight.dtype
         # one mask per attention layer type: sliding-window layers see the same rule inside their window
         mask = build_model_mars_mask(unwrapped.config, position_ids, block_size, valid, attn, emb_dtype)
@@ -491,7 +489,7 @@ class MARSTrainer(SFTTrainer):
             # the noisy stream is mostly one token, the mask, whose routing would dominate the balance statistics
             aux = router.clean_stream_loss(unwrapped, n, valid)
             loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
-            self._metrics[mode]["aux_loss"].append(float(aux.detach()))
+            trl_metrics(self, mode)["aux_loss"].append(float(aux.detach()))
         if model.training and not bool(torch.isfinite(loss)):  # stop before the optimizer spreads NaN to every weight
             bad = [name for name, v in (("noisy (mask) stream", noisy_num), ("clean (AR) stream", clean_num))
                    if not bool(torch.isfinite(v))] or ["the normaliser"]
@@ -552,7 +550,7 @@ class MARSTrainer(SFTTrainer):
         ])
         vec = self.accelerator.gather(vec[None]).sum(dim=0).cpu()
         if mode == "train":
-            self._total_train_tokens += int(vec[6].item()) // self._tp_size
+            trl_count_train_tokens(self, int(vec[6].item()))
         prev = self._mars_sums[mode]
         self._mars_sums[mode] = vec if prev is None else prev + vec
 
@@ -563,7 +561,7 @@ class MARSTrainer(SFTTrainer):
             block_size = self.args.block_size
             den = max(sums[2].item(), 1.0)
             targets = max(sums[3].item(), 1.0)
-            metrics = self._metrics[mode]
+            metrics = trl_metrics(self, mode)
             metrics["mars_loss"] = [sums[0].item() / den]
             metrics["ar_loss"] = [sums[1].item() / den]
             metrics["mean_token_accuracy"] = [sums[4].item() / targets]
@@ -573,7 +571,7 @@ class MARSTrainer(SFTTrainer):
             for j in range(block_size):
                 metrics[f"mask_accuracy_{j + 1}"] = [correct[j].item() / max(total[j].item(), 1.0)]
             if mode == "train":
-                metrics["num_tokens"] = [self._total_train_tokens]
+                metrics["num_tokens"] = [trl_count_train_tokens(self, 0)]
             self._mars_sums[mode] = None
         super().log(logs, start_time)
 

@@ -1,0 +1,48 @@
+"""The private transformers / TRL APIs hf-mars reads (hf_mars/_compat.py), checked against the installed versions.
+
+A failure here means an upgrade moved one: fix the accessor in hf_mars/_compat.py, nowhere else.
+"""
+
+import torch
+from datasets import Dataset
+
+from hf_mars import MARSConfig, MARSTrainer, _compat
+from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
+
+
+def test_trl_private_state(tmp_path):
+    tok = build_char_tokenizer()
+    trainer = MARSTrainer(tiny_qwen2(tok), args=MARSConfig(output_dir=str(tmp_path), report_to=[], max_steps=1),
+                          train_dataset=Dataset.from_list([{"prompt": "a", "completion": " b"}] * 2),
+                          processing_class=tok)
+    assert isinstance(_compat.trl_metrics(trainer, "train"), dict) and isinstance(_compat.trl_metrics(trainer, "eval"), dict)
+    assert _compat.trl_count_train_tokens(trainer, 0) == 0
+    assert _compat.trl_count_train_tokens(trainer, 10 * trainer._tp_size) == 10
+
+
+def test_trl_fused_forward_fields(tmp_path):
+    tok = build_char_tokenizer()
+    trainer = MARSTrainer(tiny_qwen2(tok), args=MARSConfig(output_dir=str(tmp_path), report_to=[], max_steps=1),
+                          train_dataset=Dataset.from_list([{"prompt": "a", "completion": " b"}] * 2),
+                          processing_class=tok)
+    model = trainer.model  # SFTTrainer's fused LM-head forward
+    ids = torch.tensor([[5, 6, 7, 8]])
+    out = model(input_ids=ids, shift_labels=torch.tensor([[6, 7, 8, -100]]), fused_lm_head=True)
+    for field in _compat.FUSED_OUTPUT_FIELDS:
+        assert getattr(out, field).shape == ids.shape, field
+
+
+def test_transformers_private_hooks():
+    from transformers import GenerationConfig, MixtralConfig, MixtralForCausalLM
+
+    tok = build_char_tokenizer()
+    assert _compat.attn_implementation(tiny_qwen2(tok).config) == "sdpa"
+    moe = MixtralForCausalLM(MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=2))
+    target, index = _compat.router_logits_recorder(moe)
+    assert any(isinstance(m, target) for m in moe.modules()) and index == 0
+    assert _compat.router_logits_recorder(tiny_qwen2(tok)) is None
+    gen = GenerationConfig.from_model_config(tiny_qwen2(tok).config)
+    assert gen._from_model_config is True
+    _compat.keep_generation_extras(gen)
+    assert gen._from_model_config is False
