@@ -332,7 +332,7 @@ def _check_supported(model, generation_config, model_kwargs, assistant_model=Non
         # linear-attention / state-space layers do not)
         layers = getattr(cache, "layers", None) or []
         odd = sorted({type(layer).__name__ for layer in layers if type(layer) not in _ROLLBACK_LAYERS})
-        if odd or not getattr(cache, "is_croppable", False):
+        if odd or getattr(cache, "is_croppable", True) is False:  # (is_croppable: transformers >= 5.17)
             model_type = getattr(model.config, "model_type", type(model).__name__)
             raise ValueError(
                 f"MARS decoding rolls the KV cache back after every step; {type(cache).__name__} of {model_type!r} "

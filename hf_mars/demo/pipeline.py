@@ -545,7 +545,7 @@ def run(args) -> int:
                    "accuracy_ci95": wilson_interval(sum(hits(verify_res["predictions"])), n_eval),
                    "tokens_per_forward": verify_res["tokens_per_forward"],
                    "speedup_vs_ar": timings[1]["ar"] / timings[1]["verify"],
-                   "draft_threshold": args.verify_threshold,
+                   "threshold": args.verify_threshold,  # verify: tau only truncates the drafts
                    "identical_to_greedy": verify_res["predictions"] == greedy_res["predictions"]},
         "chosen_threshold": tau_star,
         "batch_speedup": batch_speedup,
