@@ -125,7 +125,8 @@ def main(script_args, training_args, model_args, extra_args):
         peft_config=get_peft_config(model_args),
     )
     trainer.accelerator.print(
-        f"MARS training: world_size={trainer.accelerator.num_processes}, block_size={training_args.block_size}, "
+        f"MARS training: world_size={trainer.accelerator.num_processes}, "
+        f"distributed={trainer.accelerator.distributed_type.value}, block_size={training_args.block_size}, "
         f"ar_weight={training_args.ar_weight}, loss_normalization={training_args.loss_normalization}, "
         f"mask_token_id={trainer.mask_token_id}"
     )

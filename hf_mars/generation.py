@@ -1077,12 +1077,25 @@ class _MARSDecoder:
         self.streamer.put(block)
 
     # ---------------------------------------------------------------- results
-    def run(self):
+    def run(self, synced: bool = False):
+        """Step until every row has finished. ``synced`` (parameters sharded across ranks): every rank forwards in
+        lockstep until all ranks are done, a finished rank running a throwaway forward, as transformers does."""
         if self.max_new <= 0:
-            return self.seq[:, :self.prompt_len]
+            self.unfinished = [False] * self.batch
+            if not synced:
+                return self.seq[:, :self.prompt_len]
         with torch.no_grad():
-            while self.step():
-                pass
+            while True:
+                if synced:
+                    finished_ranks = torch.tensor(0.0 if any(self.unfinished) else 1.0, device=self.device)
+                    torch.distributed.all_reduce(finished_ranks)
+                    if int(finished_ranks.item()) == torch.distributed.get_world_size():
+                        break
+                    if not any(self.unfinished):
+                        self.model_forward(input_ids=self.seq[:, :1], use_cache=False)  # keep the shards moving
+                        continue
+                if not self.step() and not synced:
+                    break
         return self.seq[:, :self.prompt_len + max(self.emitted)]
 
     def assemble(self, which):
@@ -1132,7 +1145,7 @@ def mars_generate(
     logits_processor=None,
     stopping_criteria=None,
     generation_config=None,
-    synced_gpus: bool = False,
+    synced_gpus: bool | None = None,
     streamer=None,
     mars: bool = True,
     mars_threshold: float | None = None,
@@ -1174,12 +1187,11 @@ def mars_generate(
             "mars_generate runs MARS decoding; for plain decoding call generate without custom_generate=mars_generate "
             "(or, after enable_mars, without mars arguments)."
         )
-    if synced_gpus or _sharded_across_ranks(model):
-        raise ValueError(
-            "MARS decoding does not support synced_gpus (generation with parameters sharded across ranks by DeepSpeed "
-            "ZeRO-3 or FSDP): ranks that finish early would stop calling the model and the others would hang. "
-            "Generate with plain decoding there (mars=False), or gather the full model on each rank first."
-        )
+    # parameters sharded across ranks (ZeRO-3 / FSDP): every rank must forward in lockstep until all are done.
+    # transformers does not hand a callable its synced_gpus, so infer it as transformers does
+    synced = _sharded_across_ranks(model) if synced_gpus is None else bool(synced_gpus)
+    if synced and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise ValueError("synced_gpus=True needs an initialised torch.distributed process group.")
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError(
             f"MARS decoding needs a prompt of at least one token per row; got input_ids of shape {tuple(input_ids.shape)}. "
@@ -1206,7 +1218,7 @@ def mars_generate(
         streamer.put(input_ids.cpu())
     decoder = _MARSDecoder(model, input_ids, logits_processor, stopping_criteria, generation_config, opts, streamer,
                            model_kwargs)
-    sequences = decoder.run()
+    sequences = decoder.run(synced=synced)
     if streamer is not None:
         streamer.end()
     if not generation_config.return_dict_in_generate:
@@ -1278,11 +1290,7 @@ def _route_generate(model, *args, **kwargs):
     if not use_mars:
         return base_generate(model, **kwargs)
 
-    if kwargs.get("synced_gpus"):
-        raise ValueError(
-            "MARS decoding does not support synced_gpus=True (parameters sharded across ranks): ranks that finish "
-            "early would stop calling the model and the others would hang. Use plain decoding (mars=False) there."
-        )
+    synced_gpus = kwargs.pop("synced_gpus", None)  # transformers would not hand it to a callable: bind it
     custom = kwargs.pop("custom_generate", None)
     if custom is not None and getattr(custom, "__name__", None) != "mars_generate":
         asked = ", ".join(f"{k}={v!r}" for k, v in mars_args.items()) or "mars=True"
@@ -1314,7 +1322,8 @@ def _route_generate(model, *args, **kwargs):
         criteria.append(_sc.StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
         kwargs["stopping_criteria"] = criteria
         kwargs["stop_strings"] = None
-    return base_generate(model, custom_generate=mars_generate, **mars_args, **kwargs)
+    loop = mars_generate if synced_gpus is None else functools.partial(mars_generate, synced_gpus=bool(synced_gpus))
+    return base_generate(model, custom_generate=loop, **mars_args, **kwargs)
 
 
 def generate(*args, model, **kwargs):

@@ -73,3 +73,28 @@ def test_two_process_ddp_step_equals_single_process_step(tmp_path):
     assert not torch.allclose(single[name], start[name])
     for key in single:
         torch.testing.assert_close(ddp[key], single[key], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.timeout(300)
+def test_mars_generation_with_fsdp_sharded_parameters_steps_in_lockstep(tmp_path):
+    """FSDP2 over two CPU processes (gloo): ranks finish at very different steps; every rank keeps forwarding until
+    all are done (synced lockstep), and each rank's output equals its unsharded model's."""
+    pytest.importorskip("torch.distributed.fsdp")
+    worker = Path(__file__).resolve().parent / "fsdp_generate_worker.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    import socket
+
+    with socket.socket() as sock:  # a free loopback port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), str(worker), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for name, r in results.items():
+            assert r["sharded"] == r["alone"], (rank, name)
+    assert len(json.loads((tmp_path / "rank0.json").read_text())["verify"]["sharded"][0]) < \
+        len(json.loads((tmp_path / "rank1.json").read_text())["verify"]["sharded"][0])
