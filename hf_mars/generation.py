@@ -17,26 +17,25 @@ Three ways in, one decoding loop:
   (``from_pretrained(..., trust_remote_code=True)`` or ``generate(custom_generate=dir)``);
   it behaves like ``enable_mars``'d generate.
 
-One step (docs/method.md in the hf-mars repository, section 2): feed each row's not-yet-cached committed tokens plus
-``B`` mask tokens. Candidate 0 is the ordinary AR next token (position before
-the masks); candidate ``j`` is read from mask ``j``. Candidates are accepted
-left to right while their confidence is >= tau; the first failure stops the
-run. The masks' cache entries are cropped away. Every candidate passes through
-the full logits-processor chain with ``input_ids`` extended by the earlier
-candidates, and stopping criteria are checked after every accepted token.
+The method in one screen is `reference_decode` below (docs/method.md of the hf-mars repository says it in
+words). One step of the fast loop, `_MARSDecoder.step`, reads top to bottom: plan the step (per-row counts),
+build the chunk (each row's uncached committed tokens, pending drafts, mask tokens), one forward over the KV
+cache, read the candidate slots, choose and accept (logits processors, confidence >= tau or draft verification,
+stops), one host sync, crop the masks out of the cache, commit.
 
-Batched rows accept different counts. Each step every row feeds its uncached
-tokens right-aligned in the step's chunk (left-padded; pads stay masked in the
-2D attention mask forever), position ids follow each row's real-token count,
-so the masks always sit in the same columns and one ``cache.crop`` drops them
-for all rows.
+Batched rows accept different counts: each step every row's uncached tokens sit right-aligned in the chunk
+(left-padded; pads stay masked in the 2D attention mask), position ids follow each row's real-token count, so
+the masks occupy the same columns in every row and one ``cache.crop`` drops them for all rows. Two cases move the
+rows in lockstep instead (the same count per step): stateful logits processors or stopping criteria (they must
+see exactly the calls plain decoding makes: `_decide_exact`), and sliding-window attention layers (a window
+counts cache columns, so no masked column may sit inside it).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
-import copy
 import inspect
 import math
 
