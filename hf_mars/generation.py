@@ -41,7 +41,7 @@ import math
 
 import torch
 from transformers import GenerationMixin
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticCache, StaticLayer
 from transformers.generation import logits_process as _lp
 from transformers.generation import stopping_criteria as _sc
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -290,7 +290,8 @@ def _resolve_options(model, generation_config, **given) -> _Options:
 
 
 # model kwargs the loop manages itself ("past_key_values" is the cache's name before transformers 5.2x)
-_ROLLBACK_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)  # cache layers MARS can crop back exactly
+# cache layers MARS can crop back exactly (a static layer moves its write position back: nothing is copied)
+_ROLLBACK_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer)
 _LOOP_KWARGS = ("cache", "past_key_values", "attention_mask", "position_ids", "use_cache", "logits_to_keep",
                 "inputs_embeds")
 
@@ -326,17 +327,17 @@ def _check_supported(model, generation_config, model_kwargs, assistant_model=Non
         raise ValueError("prefill_chunk_size is not supported by MARS decoding.")
     cache = model_kwargs.get(_cache_key(model_kwargs))
     if cache is not None:
-        # cropping must restore the cache exactly, and padded chunks grow it past max_length: dynamic
-        # full-attention and sliding-window layers only (they roll back; static, quantized, offloaded and
-        # linear-attention / state-space layers do not)
+        # cropping must restore the cache exactly: dynamic full-attention and sliding-window layers and static
+        # layers roll back; quantized, offloaded and linear-attention / state-space layers do not
         layers = getattr(cache, "layers", None) or []
         odd = sorted({type(layer).__name__ for layer in layers if type(layer) not in _ROLLBACK_LAYERS})
         if odd or getattr(cache, "is_croppable", True) is False:  # (is_croppable: transformers >= 5.17)
             model_type = getattr(model.config, "model_type", type(model).__name__)
             raise ValueError(
                 f"MARS decoding rolls the KV cache back after every step; {type(cache).__name__} of {model_type!r} "
-                f"({', '.join(odd) or 'not croppable'}) cannot do that. Use the default dynamic cache (do not set "
-                "cache_implementation); models with linear-attention or state-space layers are not supported."
+                f"({', '.join(odd) or 'not croppable'}) cannot do that. Use the default dynamic cache or "
+                "cache_implementation='static' (quantized and offloaded caches cannot roll back); models with "
+                "linear-attention or state-space layers are not supported."
             )
     for key, value in model_kwargs.items():
         if key in _LOOP_KWARGS:
@@ -511,6 +512,21 @@ class _MARSDecoder:
         if self.sliding:
             self.cache.activate_past_recording()
             self.exact = self.exact or b > 1
+        # a static cache holds a fixed number of columns: rows move in lockstep (no masked pad columns pile up) and
+        # it must fit the prompt, the new tokens and one step's masks / drafts beyond them
+        self.static = any(type(layer) is StaticLayer for layer in getattr(self.cache, "layers", []))
+        if self.static:
+            self.exact = self.exact or b > 1
+            needed = P + max(self.max_new, 0) + 2 * self.candidates + 2
+            capacity = min(layer.max_cache_len for layer in self.cache.layers)
+            if capacity < needed:
+                if self.cache.get_seq_length() > 0:
+                    raise ValueError(
+                        f"This StaticCache holds {capacity} positions; MARS decoding needs {needed} (prompt + new "
+                        f"tokens + one step's masks and drafts). Pass StaticCache(config, max_cache_len={needed})."
+                    )
+                # the cache generate built for plain decoding (max_length positions): the same, a step larger
+                self.cache = StaticCache(config=model.config, max_cache_len=needed)
         self.cache_attn = None  # 2D mask over the cache's columns (None while every column is real)
         self.cache_len = 0
         self.extra_forward_kwargs = {k: v for k, v in model_kwargs.items() if k not in _LOOP_KWARGS}

@@ -463,8 +463,7 @@ def test_verify_sampling_matches_plain_sampling_distribution():
      ({"mars_cache": "paged"}, "mars_cache"), ({"mars_cache_block": 0}, "mars_cache_block"),
      ({"mars_max_accept": 0}, "mars_max_accept"), ({"mars": True, "num_beams": 2}, "beam"),
      ({"mars_verify": True, "mars_cache": "block"}, "mars_verify"), ({"mars_treshold": 0.5}, "Unknown MARS"),
-     ({"mars": True, "prompt_lookup_num_tokens": 3}, "assisted"), ({"mars": True, "use_cache": False}, "cache"),
-     ({"mars": True, "cache_implementation": "static"}, "dynamic cache")],
+     ({"mars": True, "prompt_lookup_num_tokens": 3}, "assisted"), ({"mars": True, "use_cache": False}, "cache")],
 )
 def test_bad_arguments(flat, kw, match):
     model, tok = flat
@@ -647,3 +646,49 @@ def test_library_reference_loop_matches_fast_loop_and_test_reference(peaky, tau,
                              return_dict_in_generate=True)
         assert out.sequences[0, len(ids):].tolist()[:len(ref)] == ref
         assert int(out.mars_forward_passes[0]) == ref_fwd
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["batch1", "batch4"])
+def test_static_cache_tau1_and_verify_equal_greedy(peaky, prompts):
+    """cache_implementation="static": dropping the masks moves the write position back; the cache generate built
+    for plain decoding is replaced by one a step larger; rows move in lockstep (no pad columns pile up)."""
+    model, tok = peaky
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    plain = _greedy(model, enc, max_new_tokens=24)
+    for kw in (dict(mars_threshold=1.0), dict(mars_verify=True, mars_threshold=0.0),
+               dict(mars_threshold=1.0, mars_cache="block", mars_cache_block=8)):
+        out = _greedy(model, enc, max_new_tokens=24, cache_implementation="static", **kw)
+        assert torch.equal(out, plain), kw
+    out = _greedy(model, enc, max_new_tokens=24, cache_implementation="static", mars_threshold=0.0,
+                  return_dict_in_generate=True, eos_token_id=[])
+    assert int(out.mars_emitted_tokens.sum()) > int(out.mars_forward_passes.sum())  # still several tokens per step
+
+
+def test_user_static_cache(peaky):
+    from transformers import StaticCache
+
+    model, tok = peaky
+    enc = tok(PROMPTS[:1], return_tensors="pt")
+    plain = _greedy(model, enc, max_new_tokens=16)
+    big = StaticCache(config=model.config, max_cache_len=64)
+    assert torch.equal(_greedy(model, enc, max_new_tokens=16, mars_verify=True, past_key_values=big), plain)
+    small = StaticCache(config=model.config, max_cache_len=enc.input_ids.shape[1] + 16)
+    with torch.no_grad():
+        model(input_ids=enc.input_ids[:, :-1], past_key_values=small)  # a cache with a prefix already in it
+    with pytest.raises(ValueError, match="StaticCache holds"):
+        _greedy(model, enc, max_new_tokens=16, mars_verify=True, past_key_values=small)
+
+
+def test_cache_that_cannot_roll_back_is_refused(flat):
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    class NoRollbackLayer(DynamicLayer):  # like a quantized or offloaded layer
+        is_croppable = False
+
+    model, tok = flat
+    enc = tok(PROMPTS[:1], return_tensors="pt")
+    cache = DynamicCache(config=model.config)
+    cache.layers = [NoRollbackLayer() for _ in cache.layers]
+    with pytest.raises(ValueError, match="cannot do that.*static"):
+        _greedy(model, enc, mars=True, past_key_values=cache)
