@@ -42,3 +42,10 @@ def keep_generation_extras(generation_config) -> None:
     """A generation config flagged as derived from the model config (``_from_model_config``) drops unknown
     attributes — the MARS defaults — when loaded; clear the flag before saving."""
     generation_config._from_model_config = False
+
+
+def compile_on_any_device(compile_config):
+    """Let ``generate`` compile the forward on CPU too (``CompileConfig._compile_all_devices``; transformers keeps
+    auto-compilation to accelerators otherwise)."""
+    compile_config._compile_all_devices = True
+    return compile_config

@@ -44,6 +44,7 @@ def test_cli_json_structure_and_sanity(tmp_path, checkpoint, capsys):
         "--thresholds", "1.0", "0.0", "--caches", "sliding", "block", "--cache-block", "4", "--block-size", "4",
         "--verify-thresholds", "0.0", "--max-new-tokens", "10", "--num-prompts", "2", "--repeats", "1",
         "--warmup", "0", "--cost-repeats", "2", "--threads", "1", "--output", str(out), "--quiet",
+        "--peers", "prompt_lookup",  # (static_compile compiles for a minute on CPU: tested apart)
     ])
     assert rc == 0
     result = json.loads(out.read_text())
@@ -67,12 +68,15 @@ def test_cli_json_structure_and_sanity(tmp_path, checkpoint, capsys):
         assert {"1", "4", "5"} <= set(costs["table_ms"])  # 1, 1 + B, the block-cache chunk (+ widths used)
 
     rows = result["rows"]
-    # per batch size: AR + 2 tau x 2 caches + 1 verify
-    assert len(rows) == 2 * 6
-    assert [(r["mode"], r["threshold"], r["cache"]) for r in rows[:6]] == [
-        ("ar", None, None), ("mars", 1.0, "sliding"), ("mars", 0.0, "sliding"), ("mars", 1.0, "block"),
-        ("mars", 0.0, "block"), ("verify", 0.0, "sliding"),
+    # per batch size: AR (+ prompt lookup at batch 1) + 2 tau x 2 caches + 1 verify
+    assert len(rows) == 7 + 6
+    assert [(r["mode"], r["threshold"], r["cache"]) for r in rows[:7]] == [
+        ("ar", None, None), ("prompt_lookup", None, None), ("mars", 1.0, "sliding"), ("mars", 0.0, "sliding"),
+        ("mars", 1.0, "block"), ("mars", 0.0, "block"), ("verify", 0.0, "sliding"),
     ]
+    lookup = rows[1]  # lossless, and compared against the best plain path too
+    assert lookup["matches_ar"] == 1.0 and lookup["tokens_per_forward"] >= 1.0
+    assert all(r["speedup_vs_best_plain"] > 0 for r in rows)
     for r in rows:
         assert 0 < r["tokens"] <= 2 * 10  # two prompts per configuration, at most max_new_tokens each
         assert r["tokens_per_s"] > 0 and r["speedup_vs_ar"] > 0 and r["time_s"] > 0
@@ -82,6 +86,8 @@ def test_cli_json_structure_and_sanity(tmp_path, checkpoint, capsys):
         if r["mode"] == "ar":
             assert r["tokens_per_forward"] == 1.0 and r["speedup_vs_ar"] == 1.0
             assert r["forward_calls_consistent"]
+        elif r["mode"] == "prompt_lookup":
+            assert r["mean_decode_width"] >= 1
         else:
             assert r["limit"] > 0 and r["efficiency"] > 0 and r["ideal"] > 0 and r["limit_w"] > 0
             assert r["mean_decode_width"] >= 1
@@ -167,3 +173,13 @@ def test_bad_arguments(tmp_path, make_model, capsys):
     tok.save_pretrained(tmp_path / "plain")
     capsys.readouterr()
     one_line_error(["bench", "--model", str(tmp_path / "plain")], "mask token")
+
+
+def test_static_compile_peer_spec():
+    specs = bench.build_specs([1.0], ["sliding"], [], None, 16, peers=("static_compile", "prompt_lookup"))
+    modes = [s.mode for s in specs]
+    assert modes[:3] == ["ar", "ar_static_compile", "prompt_lookup"]
+    kw = specs[1].kwargs
+    assert kw["cache_implementation"] == "static" and kw["compile_config"]._compile_all_devices is True
+    with pytest.raises(ValueError, match="Unknown peer"):
+        bench.build_specs([1.0], ["sliding"], [], None, 16, peers=("vllm",))

@@ -374,20 +374,38 @@ def _sync(device):
 class RunSpec:
     """One decoding configuration of the benchmark."""
 
-    mode: str  # "ar" | "mars" | "verify"
+    mode: str  # "ar" | "ar_static_compile" | "prompt_lookup" (plain generate and its peers) | "mars" | "verify"
     threshold: float | None = None
     cache: str | None = None
     kwargs: dict = field(default_factory=dict)
 
     @property
     def label(self) -> str:
-        if self.mode == "ar":
-            return "ar"
+        if self.mode in PLAIN_MODES:
+            return self.mode
         return f"{self.mode}(tau={self.threshold:g},cache={self.cache})"
 
 
-def build_specs(thresholds, caches, verify_thresholds, block_size, cache_block, verify_cache="sliding"):
+PEERS = ("prompt_lookup", "static_compile")  # what a user would run instead of MARS
+PLAIN_MODES = ("ar", "ar_static_compile", "prompt_lookup")
+PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
+
+
+def build_specs(thresholds, caches, verify_thresholds, block_size, cache_block, verify_cache="sliding", peers=()):
+    """Plain `generate`, the peers asked for, then every MARS configuration."""
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        raise ValueError(f"Unknown peer(s) {unknown}: use any of {PEERS}.")
     specs = [RunSpec("ar")]
+    if "static_compile" in peers:  # transformers' documented fast path: static cache + torch.compile
+        from transformers import CompileConfig
+
+        from hf_mars._compat import compile_on_any_device
+
+        specs.append(RunSpec("ar_static_compile", kwargs={
+            "cache_implementation": "static", "compile_config": compile_on_any_device(CompileConfig())}))
+    if "prompt_lookup" in peers:  # lossless, no training, built in (batch 1 only in transformers)
+        specs.append(RunSpec("prompt_lookup", kwargs={"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}))
     for cache in caches:
         if cache not in CACHE_MODES:
             raise ValueError(f"Unknown cache mode {cache!r}: use one of {CACHE_MODES}.")
@@ -403,7 +421,9 @@ def build_specs(thresholds, caches, verify_thresholds, block_size, cache_block, 
         if block_size is not None:
             kw["mars_block_size"] = int(block_size)
         specs.append(RunSpec("verify", float(tau), verify_cache, kw))
-    for spec in specs[1:]:
+    for spec in specs:
+        if spec.mode in PLAIN_MODES:
+            continue
         if not 0.0 <= spec.threshold <= 1.0:
             raise ValueError(f"Thresholds must lie in [0, 1], got {spec.threshold}.")
     return specs
@@ -423,9 +443,11 @@ def _generate_once(model, batch, spec: RunSpec, max_new_tokens: int, eos_ids, re
     emitted = count_emitted(new, eos_ids)
     stats_fwd = getattr(out, "mars_forward_passes", None)
     stats_emit = getattr(out, "mars_emitted_tokens", None)
-    if spec.mode == "ar":
+    if spec.mode in ("ar", "ar_static_compile"):
         # each forward emits one token per active row: a row is active for its first `emitted` calls
         row_fwd = torch.clamp(emitted, max=recorder.calls)
+    elif spec.mode == "prompt_lookup":  # batch 1: every call is this row's
+        row_fwd = torch.full_like(emitted, recorder.calls)
     elif stats_fwd is not None:
         row_fwd = torch.as_tensor(stats_fwd).cpu().long()
     else:  # no statistics returned: the batch's calls bound every row's forwards
@@ -527,7 +549,7 @@ def resolve_block_size(model, block_size=None) -> int:
 def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 0.9), batch_sizes=(1, 4, 16),
                          caches=("sliding", "block"), verify_thresholds=(DEFAULT_VERIFY_THRESHOLD,), max_new_tokens=64, block_size=None,
                          cache_block=16, num_prompts=16, repeats=3, warmup=1, num_threads=None, cost_repeats=30,
-                         chat_template=None, progress=True, log=None) -> dict:
+                         chat_template=None, progress=True, log=None, peers=("prompt_lookup",)) -> dict:
     """Benchmark MARS decoding against plain greedy `generate` (KV cache) on one model, in one process.
 
     ``model`` must have `enable_mars` applied (done here when it is not). Returns a JSON-able dict with
@@ -557,7 +579,7 @@ def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (_eos_ids(model) or [0])[0]
     eos_ids = _eos_ids(model)
     bsz = resolve_block_size(model, block_size)
-    specs = build_specs(thresholds, caches, verify_thresholds, block_size, cache_block)
+    specs = build_specs(thresholds, caches, verify_thresholds, block_size, cache_block, peers=peers)
     sync = device.type == "cuda"
     info = machine_info(device)
     result = {
@@ -569,6 +591,7 @@ def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 
             "accuracy_reported": scored,
             "mean_prompt_tokens": statistics.mean(len(e) for e in encoded), "batch_sizes": list(batch_sizes),
             "thresholds": list(thresholds), "caches": list(caches), "verify_thresholds": list(verify_thresholds or ()),
+            "peers": list(peers),
             "eos_token_ids": eos_ids,
         },
         "step_costs": {},
@@ -582,14 +605,18 @@ def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 
         b = int(b)
         batches = make_batches(encoded, b, pad_id, num_prompts)
         recorder = ForwardRecorder(model, sync=False)
-        per_spec = {spec.label: (spec, []) for spec in specs}
+        batch_specs = [spec for spec in specs if not (spec.mode == "prompt_lookup" and b > 1)]  # batch 1 only
+        per_spec = {spec.label: (spec, []) for spec in batch_specs}
         with recorder:
-            for spec in specs:
+            for spec in batch_specs:
+                # a compiled forward compiles once per shape: warm it on every batch, so no timed call compiles
+                warm = batches if spec.mode == "ar_static_compile" else batches[:1]
                 for _ in range(warmup):
-                    _generate_once(model, batches[0], spec, max_new_tokens, eos_ids, recorder, device)
+                    for bt in warm:
+                        _generate_once(model, bt, spec, max_new_tokens, eos_ids, recorder, device)
             # repeats interleaved across configurations: load drift on a shared machine hits all of them alike
             for _ in range(repeats):
-                for spec in specs:
+                for spec in batch_specs:
                     bar.set_postfix_str(f"b={b} {spec.label}")
                     runs = [_generate_once(model, bt, spec, max_new_tokens, eos_ids, recorder, device) for bt in batches]
                     per_spec[spec.label][1].append(runs)
@@ -633,6 +660,11 @@ def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 
         for row in result["rows"]:
             if row["batch_size"] == b:
                 _relative(row, ar_row, costs)
+        # against the fastest plain path a user can already have (plain generate, static cache + compile)
+        plain = [r["tokens_per_s"] for r in result["rows"] if r["batch_size"] == b and r["mode"] in ("ar", "ar_static_compile")]
+        for row in result["rows"]:
+            if row["batch_size"] == b:
+                row["speedup_vs_best_plain"] = row["tokens_per_s"] / max(plain)
         for row in result["rows"]:
             if row["batch_size"] == b:
                 row.pop("_predicted_s", None)
@@ -720,6 +752,7 @@ COLUMNS = [
     ("tok/s", "tokens_per_s", "{:.1f}"),
     ("speedup", "speedup_vs_ar", "{:.2f}x"),
     ("(best)", "speedup_min", "{:.2f}x"),
+    ("vs best plain", "speedup_vs_best_plain", "{:.2f}x"),
     ("limit", "limit", "{:.2f}x"),
     ("eff", "efficiency", "{:.0%}"),
     ("lim(w)", "limit_w", "{:.2f}x"),
@@ -806,6 +839,9 @@ def add_arguments(parser):
                              "(block chunks fed as [accepted | B masks]).")
     parser.add_argument("--verify-thresholds", type=float, nargs="*", default=[DEFAULT_VERIFY_THRESHOLD],
                         help="tau values for lossless verify mode (none: skip verify).")
+    parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS),
+                        help="What a user would run instead, timed in the same run: prompt-lookup decoding (batch 1) and "
+                             "plain generate with the static cache + torch.compile (warm-up compiles; none: skip).")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=None, help="MARS B (default: the checkpoint's).")
@@ -849,6 +885,7 @@ def run(args):
         verify_thresholds=args.verify_thresholds, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
         cache_block=args.cache_block, num_prompts=args.num_prompts, repeats=args.repeats, warmup=args.warmup,
         num_threads=args.threads, cost_repeats=args.cost_repeats, chat_template=False if args.no_chat_template else None, progress=not args.quiet,
+        peers=tuple(args.peers),
     )
     result["settings"]["model_path"] = str(args.model)
     result["settings"]["prompts_path"] = args.prompts
@@ -863,4 +900,6 @@ def run(args):
 def _json_default(o):
     if torch.is_tensor(o):
         return o.tolist()
+    if hasattr(o, "to_dict"):  # e.g. a CompileConfig among the generate arguments
+        return o.to_dict()
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
