@@ -527,6 +527,17 @@ class _MARSDecoder:
                     )
                 # the cache generate built for plain decoding (max_length positions): the same, a step larger
                 self.cache = StaticCache(config=model.config, max_cache_len=needed)
+        # torch.compile, as generate decides it for plain decoding: a compileable (static) cache, an accelerator or
+        # compile_config._compile_all_devices, not disabled. Decode steps only (the prefill runs eagerly); each
+        # distinct step width is one graph (dynamo turns the width dynamic after the second)
+        self.decode_forward = model.__call__
+        compile_config = getattr(generation_config, "compile_config", None)
+        wants = not getattr(generation_config, "disable_compile", False) and (
+            self.device.type in ("cuda", "xpu", "neuron", "tpu")
+            or bool(compile_config is not None and getattr(compile_config, "_compile_all_devices", None)))
+        if wants and self.static and getattr(self.cache, "is_compileable", False) and (
+                getattr(getattr(model, "hf_quantizer", None), "is_compileable", True)):
+            self.decode_forward = model.get_compiled_call(compile_config)
         self.cache_attn = None  # 2D mask over the cache's columns (None while every column is real)
         self.cache_len = 0
         self.extra_forward_kwargs = {k: v for k, v in model_kwargs.items() if k not in _LOOP_KWARGS}
@@ -663,8 +674,9 @@ class _MARSDecoder:
         kwargs[self.cache_key] = self.cache
         if self.supports_logits_to_keep:
             kwargs["logits_to_keep"] = plan.logits_kept
-        out = self.model_forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                 use_cache=True, return_dict=True, **kwargs)
+        forward = self.model_forward if plan.first else self.decode_forward
+        out = forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=True, return_dict=True, **kwargs)
         self.forwards += 1 if self.batch == 1 else plan.unfinished_t
         return out.logits[:, -plan.logits_kept:]
 
