@@ -53,6 +53,7 @@ DEFAULT_THRESHOLD = 0.95  # the paper's multi-token setting (1.0 = one token per
 DEFAULT_VERIFY_THRESHOLD = 0.3  # verify mode: drafts kept while their probability is >= this (output unaffected)
 DEFAULT_BLOCK_SIZE = 4  # the paper's default block size
 DEFAULT_CACHE_BLOCK = 16  # block-cache chunk; the paper's best is 16-32
+COMPACT_THRESHOLD = 0.1  # batched caches are compacted once masked pad columns exceed this share of them
 ACCEPTANCE_MODES = ("probability", "entropy", "margin")
 CACHE_MODES = ("sliding", "block", "block_trained")
 MARS_ARGUMENTS = (
@@ -555,9 +556,14 @@ class _MARSDecoder:
         self.chunk_start = True
         self.q_drafts = None  # verify + sampling: distributions the pending drafts were drawn from
         self.forwards = torch.zeros(b, dtype=torch.long, device=self.device)
+        self.compactions = 0
         self.records = [] if (self.output_scores or self.output_logits) else None
         self.model_forward = model.__call__
         self.prompt_real_int = int(self.prompt_real[0]) if b == 1 else None
+        self.prompt_real_host = self.prompt_real.tolist()  # per-row prompt lengths, for the compaction check
+        # ragged rows leave masked columns in the cache, which every later forward pays for: compact them away
+        # once they are more than this share of it (dynamic full-attention caches, unlocked batches only)
+        self.compactable = b > 1 and not self.exact and not self.block and not self.sliding and not self.static
         self.one = torch.ones(1, dtype=torch.long, device=self.device)
 
     # ---------------------------------------------------------------- one step
@@ -625,6 +631,8 @@ class _MARSDecoder:
                     for r in range(b)]
         keep_cols = self._crop_cache(plan, col_real, acc, accepted, finished)
         self._commit(plan, keep_cols, accepted, drafts_next, finished)
+        if self.compactable and self.cache_attn is not None:
+            self._compact_cache()
         return any(self.unfinished)
 
     # ---------------------------------------------------------------- the phases of a step
@@ -773,6 +781,26 @@ class _MARSDecoder:
                 self.cache_attn = torch.cat([base, kept.long()], dim=1)
             self.cache_len += keep_cols
         return keep_cols
+
+    def _compact_cache(self, threshold: float = COMPACT_THRESHOLD):
+        """Move each row's real cache columns to the right end and drop the columns that are padding in every row.
+
+        Keys already carry their rotary positions and attention does not care where a key sits, only whether it is
+        masked, so the output is unchanged; the cache then holds no more columns than the longest row needs."""
+        longest = max(p + f for p, f in zip(self.prompt_real_host, self.fed))
+        waste = self.cache_len - longest
+        if waste <= max(threshold * self.cache_len, 0):
+            return
+        order = torch.argsort(self.cache_attn, dim=1, stable=True)[:, waste:]  # pads first, real columns in order
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue
+            idx = order[:, None, :, None]
+            layer.keys = layer.keys.gather(2, idx.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
+            layer.values = layer.values.gather(2, idx.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
+        self.cache_attn = self.cache_attn.gather(1, order)
+        self.cache_len -= waste
+        self.compactions += 1
 
     def _commit(self, plan, keep_cols, accepted, drafts_next, finished):
         """Advance the per-row state on the host; finished rows read as pads from here on (like AR's)."""

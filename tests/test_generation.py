@@ -714,3 +714,28 @@ def test_compile_config_is_honoured_with_a_static_cache(peaky):
         out = _greedy(model, enc, max_new_tokens=16, cache_implementation="static", compile_config=config, **kw)
         assert torch.equal(out, plain), kw
     assert calls, "the decode forward was never compiled"
+
+
+def test_batched_cache_is_compacted_and_output_unchanged(peaky, monkeypatch):
+    """Ragged acceptance leaves masked pad columns in a batched cache; they are compacted away once they exceed 10%
+    of it, and every row's output is what that row decodes alone."""
+    model, tok = peaky
+    prompts = [p + s for p in PROMPTS for s in ("", " one", " two three")] + ["z"] * 4  # 16 rows
+    waste_seen = []
+    real = gen._MARSDecoder._compact_cache
+
+    def spy(self, threshold=gen.COMPACT_THRESHOLD):
+        real(self, threshold)
+        longest = max(p + f for p, f in zip(self.prompt_real_host, self.fed))
+        waste_seen.append((self.cache_len - longest) / self.cache_len)
+        return None
+
+    monkeypatch.setattr(gen._MARSDecoder, "_compact_cache", spy)
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    P = enc.input_ids.shape[1]
+    kw = dict(mars_threshold=0.3, eos_token_id=[], return_dict_in_generate=True)
+    out = _greedy(model, enc, max_new_tokens=32, **kw)
+    assert max(waste_seen) <= gen.COMPACT_THRESHOLD + 1e-9 and len(waste_seen) > 5
+    for r, prompt in enumerate(prompts):
+        alone = _greedy(model, tok([prompt], return_tensors="pt"), max_new_tokens=32, **kw)
+        assert out.sequences[r, P:].tolist() == alone.sequences[0, -32:].tolist(), r
