@@ -291,8 +291,10 @@ def _resolve_options(model, generation_config, **given) -> _Options:
 
 
 # model kwargs the loop manages itself ("past_key_values" is the cache's name before transformers 5.2x)
-# cache layers MARS can crop back exactly (a static layer moves its write position back: nothing is copied)
-_ROLLBACK_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer)
+# cache layers MARS can crop back exactly (a static layer moves its write position back: nothing is copied;
+# static layers can crop from transformers 5.24 on)
+STATIC_CACHE_SUPPORTED = hasattr(StaticLayer, "crop")
+_ROLLBACK_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer) + ((StaticLayer,) if STATIC_CACHE_SUPPORTED else ())
 _LOOP_KWARGS = ("cache", "past_key_values", "attention_mask", "position_ids", "use_cache", "logits_to_keep",
                 "inputs_embeds")
 
@@ -337,8 +339,8 @@ def _check_supported(model, generation_config, model_kwargs, assistant_model=Non
             raise ValueError(
                 f"MARS decoding rolls the KV cache back after every step; {type(cache).__name__} of {model_type!r} "
                 f"({', '.join(odd) or 'not croppable'}) cannot do that. Use the default dynamic cache or "
-                "cache_implementation='static' (quantized and offloaded caches cannot roll back); models with "
-                "linear-attention or state-space layers are not supported."
+                "cache_implementation='static' (transformers >= 5.24; quantized and offloaded caches cannot roll "
+                "back); models with linear-attention or state-space layers are not supported."
             )
     for key, value in model_kwargs.items():
         if key in _LOOP_KWARGS:
