@@ -569,6 +569,13 @@ class _MARSDecoder:
         self.one = torch.ones(1, dtype=torch.long, device=self.device)
 
     # ---------------------------------------------------------------- one step
+    def _to_device(self, values, dtype=torch.long):
+        """Per-row host values as a device tensor without a synchronising copy (pinned memory, non-blocking on GPU)."""
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
     def _plan(self) -> _StepPlan:
         """Per-row counts for this step (python lists; cheap for any realistic batch)."""
         b, opts = self.batch, self.opts
@@ -603,9 +610,8 @@ class _MARSDecoder:
         plan.logits_kept = max(plan.masks[r] + plan.drafts[r] + 1 for r in plan.rows)
         plan.uniform = len({(plan.masks[r], plan.drafts[r]) for r in plan.rows}) == 1
         if b > 1:  # every per-row count the step needs on the device, in one host->device copy
-            counts = torch.tensor([plan.lens, [plan.uncached[r] + plan.drafts[r] for r in range(b)], self.fed,
-                                   self.unfinished, self.emitted, plan.slots, plan.active],
-                                  dtype=torch.long, device=self.device)
+            counts = self._to_device([plan.lens, [plan.uncached[r] + plan.drafts[r] for r in range(b)], self.fed,
+                                      self.unfinished, self.emitted, plan.slots, plan.active])
             (plan.lens_t, plan.content_len_t, plan.fed_t, plan.unfinished_t, plan.emitted_t, plan.slots_t,
              active) = counts.unbind(0)
             plan.active_t = active.bool()
@@ -701,8 +707,8 @@ class _MARSDecoder:
             offset = kept - (plan.masks[r0] + plan.drafts[r0] + 1)
             slot_logits = logits[:, offset:offset + S]
         else:
-            first_col = torch.tensor([kept - (plan.masks[r] + plan.drafts[r] + 1) if plan.active[r] else 0
-                                      for r in range(b)], device=self.device)
+            first_col = self._to_device([kept - (plan.masks[r] + plan.drafts[r] + 1) if plan.active[r] else 0
+                                         for r in range(b)])
             idx = (first_col[:, None] + self.arange[:S][None]).clamp(max=kept - 1)
             slot_logits = logits.gather(1, idx[:, :, None].expand(-1, -1, logits.shape[-1]))
         slot_logits = slot_logits.to(dtype=torch.float32, copy=True)
@@ -722,7 +728,7 @@ class _MARSDecoder:
         active_t = None if self.batch == 1 else plan.active_t
         forced = forced_mask = None
         if verify and max(plan.drafts) > 0:  # the pending drafts sit right after the committed tokens
-            forced_mask = self.arange[:S][None, :] < torch.tensor(plan.drafts, device=self.device)[:, None]
+            forced_mask = self.arange[:S][None, :] < self._to_device(plan.drafts)[:, None]
             forced = self.seq.gather(1, slot_pos)
         if self.exact:  # stateful processors or criteria: one position at a time, AR's calls only
             return self._decide_exact(slot_logits, S, plan.rows, active_t, forced, forced_mask, slot_pos, valid,
@@ -775,7 +781,7 @@ class _MARSDecoder:
                     b, keep_cols, dtype=torch.bool, device=dev)
                 if leftover:  # a draft column stays real only if its draft was accepted (acc - 1 of them)
                     rel = self.arange[:keep_cols][None, :] - plan.start[:, None]
-                    drafts_t = torch.tensor(plan.drafts, dtype=torch.long, device=dev)
+                    drafts_t = self._to_device(plan.drafts)
                     kept = kept & (rel < (plan.content_len_t - drafts_t + acc - 1)[:, None])
                 base = self.cache_attn
                 if base is None:
@@ -826,8 +832,8 @@ class _MARSDecoder:
             if finished[r]:
                 self.unfinished[r] = False
         if any(finished):
-            fin_t = torch.tensor(finished, dtype=torch.bool, device=self.device)
-            emitted_t = torch.tensor(self.emitted, dtype=torch.long, device=self.device)
+            fin_t = self._to_device(finished, torch.bool)
+            emitted_t = self._to_device(self.emitted)
             tail = self.arange[:self.buf_len][None, :] >= (self.prompt_len + emitted_t)[:, None]
             self.seq.masked_fill_(fin_t[:, None] & tail, self.pad)
         if self.block:
@@ -869,7 +875,7 @@ class _MARSDecoder:
         groups = {}
         for r in rows:
             groups.setdefault(self.emitted[r], []).append(r)
-        group_rows = {g: torch.tensor(rs, device=self.device) for g, rs in groups.items()}
+        group_rows = {g: self._to_device(rs) for g, rs in groups.items()}
         scores = torch.empty_like(slot_logits)
         chosen = torch.zeros(slot_logits.shape[:2], dtype=torch.long, device=self.device)
         for s in range(S):
@@ -946,7 +952,7 @@ class _MARSDecoder:
             dist = torch.where(rsum > 0, residual / rsum.clamp_min(1e-30), pk)
             resampled = torch.multinomial(dist, 1).squeeze(1)
             # all drafts accepted: the bonus token is the one already drawn from p at that slot
-            d_t = torch.tensor(d, dtype=torch.long, device=dev)
+            d_t = self._to_device(d)
             ar_tok = torch.where(k < d_t, resampled, chosen.gather(1, k[:, None]).squeeze(1))
         # the token at slot k is the AR token (correction or bonus)
         tok_k = ar_tok if active_t is None else torch.where(active_t, ar_tok, self.pad)
@@ -955,7 +961,7 @@ class _MARSDecoder:
         # new drafts: the mask slots after the AR token, kept only where every pending draft was accepted
         newd = self._propose_drafts(scores, chosen, probs, valid, d, S, d_uniform)
         if Dm > 0:
-            newd = torch.where(k == torch.tensor(d, dtype=torch.long, device=dev), newd, 0)
+            newd = torch.where(k == self._to_device(d), newd, 0)
         return acc, newd
 
     def _propose_drafts(self, scores, chosen, probs, valid, d, S, d_uniform):
@@ -971,7 +977,7 @@ class _MARSDecoder:
             in_range = None if valid is None else valid[:, lo:lo + self.max_drafts]
             mtok = chosen[:, lo:lo + self.max_drafts]
         else:
-            d_t = torch.tensor(d, dtype=torch.long, device=dev)
+            d_t = self._to_device(d)
             idx_raw = (d_t + 1)[:, None] + self.arange[:self.max_drafts][None]
             idx = idx_raw.clamp(max=S - 1)
             in_range = idx_raw < S

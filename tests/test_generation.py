@@ -742,3 +742,34 @@ def test_batched_cache_is_compacted_and_output_unchanged(peaky, monkeypatch):
     for r, prompt in enumerate(prompts):
         alone = _greedy(model, tok([prompt], return_tensors="pt"), max_new_tokens=32, **kw)
         assert out.sequences[r, P:].tolist() == alone.sequences[0, -32:].tolist(), r
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["batch1", "batch4"])
+@pytest.mark.parametrize("kw", [dict(mars_threshold=0.5), dict(mars_verify=True, mars_threshold=0.0),
+                                dict(mars_threshold=0.5, mars_cache="block", mars_cache_block=8)],
+                         ids=["threshold", "verify", "block"])
+def test_one_host_sync_per_step(peaky, monkeypatch, prompts, kw):
+    """The loop reads device values on the host once per step (per-row metadata goes host -> device without a
+    sync). Counted on the CPU: every .item() / .tolist() / .cpu() / bool() / int() / float() the decoding module
+    makes. (Stateful processors or criteria need a decision per emitted position: `_decide_exact` syncs more.)"""
+    import sys
+
+    model, tok = peaky
+    counts = {"step": 0, "setup": 0}
+    steps = []
+    for name in ("item", "tolist", "cpu", "__bool__", "__int__", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _original=original, **k):
+            frame = sys._getframe(1)
+            if frame.f_code.co_filename == gen.__file__:
+                counts["step" if frame.f_code.co_name == "step" else "setup"] += 1
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    real_step = gen._MARSDecoder.step
+    monkeypatch.setattr(gen._MARSDecoder, "step", lambda self: steps.append(1) or real_step(self))
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    _greedy(model, enc, max_new_tokens=32, eos_token_id=[], **kw)
+    assert counts["step"] == len(steps) and len(steps) > 5
+    assert counts["setup"] <= 6  # once per generate call (prompt lengths, options), not per step
