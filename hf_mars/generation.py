@@ -520,7 +520,7 @@ class _MARSDecoder:
         self.static = any(type(layer) is StaticLayer for layer in getattr(self.cache, "layers", []))
         if self.static:
             self.exact = self.exact or b > 1
-            needed = P + max(self.max_new, 0) + 2 * self.candidates + 2
+            needed = P + max(self.max_new, 0) + 3 * self.candidates + 2  # one step's (fixed-width) chunk beyond
             capacity = min(layer.max_cache_len for layer in self.cache.layers)
             if capacity < needed:
                 if self.cache.get_seq_length() > 0:
@@ -538,9 +538,14 @@ class _MARSDecoder:
         wants = not getattr(generation_config, "disable_compile", False) and (
             self.device.type in ("cuda", "xpu", "neuron", "tpu")
             or bool(compile_config is not None and getattr(compile_config, "_compile_all_devices", None)))
+        # a compiled decode step keeps one width (extra masks at the end change nothing before them under causal
+        # attention) so that one graph serves every step: the widest [committed | drafts] run plus the K-1 masks
+        self.fixed_width = None
         if wants and self.static and getattr(self.cache, "is_compileable", False) and (
                 getattr(getattr(model, "hf_quantizer", None), "is_compileable", True)):
             self.decode_forward = model.get_compiled_call(compile_config)
+            if not self.block and not (self.one_token and not opts.verify):
+                self.fixed_width = (1 + self.max_drafts if opts.verify else self.candidates) + self.candidates - 1
         self.cache_attn = None  # 2D mask over the cache's columns (None while every column is real)
         self.cache_len = 0
         self.extra_forward_kwargs = {k: v for k, v in model_kwargs.items() if k not in _LOOP_KWARGS}
@@ -605,9 +610,14 @@ class _MARSDecoder:
                     slots = min(slots, self.chunk - self.in_chunk[r])
                 plan.slots[r] = min(slots, remaining, max_accept)
         plan.rows = [r for r in range(b) if plan.active[r]]
+        if self.fixed_width and not plan.first:  # compiled steps: pad with masks to the one width
+            for r in plan.rows:
+                plan.masks[r] = self.fixed_width - plan.uncached[r] - plan.drafts[r]
         plan.lens = [plan.uncached[r] + plan.drafts[r] + plan.masks[r] for r in range(b)]
         plan.max_slots = max(plan.slots)
         plan.logits_kept = max(plan.masks[r] + plan.drafts[r] + 1 for r in plan.rows)
+        if self.fixed_width and not plan.first:
+            plan.logits_kept = self.fixed_width
         plan.uniform = len({(plan.masks[r], plan.drafts[r]) for r in plan.rows}) == 1
         if b > 1:  # every per-row count the step needs on the device, in one host->device copy
             counts = self._to_device([plan.lens, [plan.uncached[r] + plan.drafts[r] for r in range(b)], self.fed,

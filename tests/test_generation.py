@@ -717,6 +717,18 @@ def test_compile_config_is_honoured_with_a_static_cache(peaky):
         out = _greedy(model, enc, max_new_tokens=16, cache_implementation="static", compile_config=config, **kw)
         assert torch.equal(out, plain), kw
     assert calls, "the decode forward was never compiled"
+    # one width per step (masks pad the chunk): one graph at batch 1, none more on a second call; threshold mode
+    # decodes what the uncompiled loop decodes
+    one = tok(PROMPTS[:1], return_tensors="pt")
+    torch._dynamo.reset()
+    model.__dict__.pop("_compiled_call", None)
+    calls.clear()
+    kw = dict(max_new_tokens=24, cache_implementation="static", mars_threshold=0.5)
+    first = _greedy(model, one, compile_config=config, **kw)
+    compiled_after_first = len(calls)
+    assert torch.equal(_greedy(model, one, compile_config=config, **kw), first)
+    assert compiled_after_first == 1 and len(calls) == 1
+    assert torch.equal(first, _greedy(model, one, **kw))
 
 
 def test_batched_cache_is_compacted_and_output_unchanged(peaky, monkeypatch):

@@ -421,6 +421,8 @@ def build_specs(thresholds, caches, verify_thresholds, block_size, cache_block, 
         if block_size is not None:
             kw["mars_block_size"] = int(block_size)
         specs.append(RunSpec("verify", float(tau), verify_cache, kw))
+        if "static_compile" in peers:  # MARS on the same fast path as the compiled plain peer
+            specs.append(RunSpec("verify", float(tau), "static+compile", {**kw, **specs[1].kwargs}))
     for spec in specs:
         if spec.mode in PLAIN_MODES:
             continue
@@ -610,7 +612,7 @@ def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 
         with recorder:
             for spec in batch_specs:
                 # a compiled forward compiles once per shape: warm it on every batch, so no timed call compiles
-                warm = batches if spec.mode == "ar_static_compile" else batches[:1]
+                warm = batches if "compile_config" in spec.kwargs else batches[:1]
                 for _ in range(warmup):
                     for bt in warm:
                         _generate_once(model, bt, spec, max_new_tokens, eos_ids, recorder, device)
