@@ -37,7 +37,9 @@ import copy
 import dataclasses
 import functools
 import inspect
+import json
 import math
+import os
 
 import torch
 from transformers import GenerationMixin
@@ -1294,6 +1296,11 @@ def mars_generate(
     sequences = decoder.run(synced=synced)
     if streamer is not None:
         streamer.end()
+    stats_path = os.environ.get("HF_MARS_STATS")
+    if stats_path:  # per-call statistics for a serving stack that cannot read the output object
+        with open(stats_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"emitted_tokens": decoder.emitted, "forward_passes": decoder.forwards.tolist(),
+                                "threshold": opts.tau, "verify": opts.verify}) + "\n")
     if not generation_config.return_dict_in_generate:
         return sequences
     # the cache is returned only when it has no masked-out columns (it can then be reused as is)
@@ -1355,7 +1362,11 @@ def _route_generate(model, *args, **kwargs):
         raise ValueError(f"Unknown MARS argument(s) {unknown}; valid ones are {list(MARS_ARGUMENTS)}.")
     use_mars = mars_args.pop("mars", None)
     if use_mars is None:
-        use_mars = bool(mars_args)
+        # a generation config can switch MARS on too (`mars: true` in the request's generation_config, as
+        # `transformers serve` builds it, or in a checkpoint's generation_config.json for a server-wide default);
+        # its mars_threshold / mars_block_size defaults alone do not
+        gc = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+        use_mars = bool(mars_args) or getattr(gc, "mars", False) is True
     mask_id = _mask_token_id(model, required=bool(use_mars))
     if mask_id is not None:
         _with_mask_suppressed(model, kwargs, mask_id)

@@ -1,0 +1,96 @@
+"""MARS through `transformers serve`: a real server process on loopback, the official `openai` client.
+
+The request's `generation_config` (a JSON string in the body, as transformers serve reads it) switches MARS on
+with `"mars": true`; without it the checkpoint answers as the AR model. `HF_MARS_STATS` makes the checkpoint's
+custom_generate append each MARS call's statistics to a file, so the test sees the forwards the server ran.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from test_stateful_clients import position_only_model
+
+    from hf_mars import save_for_hub
+    from hf_mars.demo.tiny import build_char_tokenizer
+    from hf_mars.tokens import set_mars_metadata
+
+    tmp = tmp_path_factory.mktemp("serve")
+    tok = build_char_tokenizer()
+    model = position_only_model(tok)  # drafts mostly right: verify takes several tokens per forward
+    set_mars_metadata(model.config, block_size=4, trained_steps=1)
+    ckpt = save_for_hub(model, tok, tmp / "ckpt")
+    port = _free_port()
+    stats = tmp / "stats.jsonl"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp / "modules"), HF_MARS_STATS=str(stats),
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    cli = Path(sys.executable).with_name("transformers")
+    cmd = [str(cli), "serve", str(ckpt), "--trust-remote-code", "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+    deadline = time.time() + 90
+    while True:  # bounded wait for the server to come up
+        try:
+            client.models.list()
+            break
+        except Exception:  # noqa: BLE001 - not listening yet
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                pytest.fail("transformers serve did not start:\n" + (proc.stdout.read() or "")[-3000:])
+            time.sleep(0.5)
+    yield client, str(ckpt), stats
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _ask(client, model, gen=None, stream=False):
+    kw = dict(model=model, messages=[{"role": "user", "content": "Reverse: abcdef"}], max_tokens=24, temperature=0,
+              extra_body={"generation_config": json.dumps(gen)} if gen else None)
+    if stream:
+        return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                       if c.choices)
+    return client.chat.completions.create(**kw).choices[0].message.content
+
+
+def _stats(path):
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.timeout(300)
+def test_transformers_serve_answers_with_mars_per_request(server):
+    client, model, stats = server
+    gen = {"max_new_tokens": 24, "do_sample": False}
+    plain = _ask(client, model, gen)
+    assert _stats(stats) == []  # without MARS settings the checkpoint answers as the AR model
+    assert _ask(client, model, {**gen, "mars": True, "mars_threshold": 1.0}) == plain
+    assert _ask(client, model, {**gen, "mars": True, "mars_verify": True}) == plain
+    assert _ask(client, model, {**gen, "mars": True, "mars_verify": True}, stream=True) == plain
+    assert _ask(client, model, gen, stream=True) == plain
+    calls = _stats(stats)
+    assert len(calls) == 3
+    tau1, verify, verify_stream = calls
+    assert tau1["threshold"] == 1.0 and sum(tau1["forward_passes"]) == sum(tau1["emitted_tokens"])
+    for call in (verify, verify_stream):
+        assert call["verify"] and sum(call["emitted_tokens"]) > sum(call["forward_passes"])  # fewer forwards
