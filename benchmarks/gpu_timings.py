@@ -3,13 +3,19 @@
 No weights are needed (shapes are enough for timing). For Qwen2.5-0.5B and -7B shapes it measures,
 at batch 1, 4 and 16 over a ~512-position cache:
 - cost(w): one cached forward of w new positions (w = 1, 1+B, 2B, 16, 32), LM head on the positions a loop reads;
-- plain greedy `generate` vs the MARS loop (tau = 0: every candidate accepted; sliding, block, verify):
-  wall time, forward calls, model time per step (synchronised hooks) and the loop's own overhead per step.
+- plain greedy `generate`, its fast path (static cache + torch.compile) and prompt-lookup decoding (batch 1)
+  against the MARS loop (tau = 0: every candidate accepted; sliding, block, verify, and verify with the static
+  cache + torch.compile): wall time, forward calls, model time per step (synchronised hooks) and the loop's own
+  overhead per step; speed-ups against plain `generate` and against the compiled plain path.
+
+Forward hooks do not fire inside a compiled graph, so for the compiled modes the forward count and model time
+per step are not meaningful (wall time and speed-ups are).
 
 Run once, as one script, on a machine with a CUDA GPU (about 3-6 minutes on an H100/H200):
 
     python benchmarks/gpu_timings.py --output gpu_timings.json          # both shapes
     python benchmarks/gpu_timings.py --shapes 0.5b --batch-sizes 1 4    # quicker
+    python benchmarks/gpu_timings.py --shapes tiny --device cpu          # a smoke run of the script itself
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import time
 import torch
 
 SHAPES = {  # Qwen2.5 configs (hidden, layers, heads, kv heads, intermediate, vocab, tie)
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=512, tie_word_embeddings=True),
     "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                  intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
     "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
@@ -60,46 +68,61 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--output", default="gpu_timings.json")
+    p.add_argument("--device", default="cuda", help="cuda (the real check) or cpu (a smoke run of the script)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("No CUDA device: this script is for a machine with a GPU.")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("No CUDA device: this script is for a machine with a GPU (--device cpu for a smoke run).")
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    from transformers import CompileConfig
+
+    from hf_mars._compat import compile_on_any_device
     from hf_mars.demo.bench import ForwardRecorder, measure_step_costs
     from hf_mars.generation import enable_mars
 
     B = args.block_size
     widths = sorted({1, 1 + B, 2 * B, 16, 32})
-    result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "block_size": B, "past": args.past,
-              "shapes": {}}
+    result = {"gpu": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__, "block_size": B,
+              "past": args.past, "shapes": {}}
     for shape in args.shapes:
-        model = build(shape, "cuda")
+        model = build(shape, args.device)
         enable_mars(model)
         res = result["shapes"][shape] = {"params": sum(q.numel() for q in model.parameters()), "batches": {}}
         for b in args.batch_sizes:
             entry = res["batches"][str(b)] = {}
-            costs = measure_step_costs(model, b, widths, args.past, repeats=20, block_size=B, statistic="median")
+            costs = measure_step_costs(model, b, widths, args.past, repeats=20, block_size=B, statistic="median",
+                                       device=torch.device(args.device))
             entry["cost_ms"] = {str(w): 1e3 * t for w, t in costs.items()}
             g = torch.Generator().manual_seed(0)
-            ids = torch.randint(10, min(1000, model.config.vocab_size - 1), (b, args.prompt_len), generator=g).cuda()
+            ids = torch.randint(10, min(1000, model.config.vocab_size - 1), (b, args.prompt_len), generator=g).to(args.device)
             mask = torch.ones_like(ids)
             base = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=args.max_new_tokens,
                         return_dict_in_generate=True)
+            compiled = dict(cache_implementation="static", compile_config=compile_on_any_device(CompileConfig()))
             configs = {
                 "ar": {},
+                "ar_static_compile": dict(compiled),
+                "prompt_lookup": dict(prompt_lookup_num_tokens=10),
                 "sliding": dict(mars=True, mars_threshold=0.0, mars_block_size=B, mars_cache="sliding"),
                 "block16": dict(mars=True, mars_threshold=0.0, mars_block_size=B, mars_cache="block", mars_cache_block=16),
                 "verify": dict(mars=True, mars_threshold=0.0, mars_block_size=B, mars_verify=True),
+                "verify_static_compile": dict(mars=True, mars_threshold=0.0, mars_block_size=B, mars_verify=True,
+                                              **compiled),
             }
+            if b > 1:
+                del configs["prompt_lookup"]  # transformers runs prompt lookup at batch 1 only
             for name, kw in configs.items():
                 try:
-                    model.generate(**base, **kw)  # warm-up
+                    for _ in range(2 if "compile_config" in kw else 1):  # warm-up (compiles)
+                        model.generate(**base, **kw)
                     walls = []
                     for _ in range(args.repeats):
-                        torch.cuda.synchronize()
+                        sync()
                         t0 = time.perf_counter()
                         out = model.generate(**base, **kw)
-                        torch.cuda.synchronize()
+                        sync()
                         walls.append(time.perf_counter() - t0)
-                    with ForwardRecorder(model, sync=True) as rec:
+                    with ForwardRecorder(model, sync=cuda) as rec:
                         model.generate(**base, **kw)
                     wall = statistics.median(walls)
                     new = out.sequences.shape[1] - ids.shape[1]
@@ -112,28 +135,36 @@ def main(argv=None):
                     }
                 except Exception as exc:  # record and go on: one failing mode must not lose the others
                     entry[name] = {"error": f"{type(exc).__name__}: {exc}"}
-            ar = entry["ar"]
+            ar, fast = entry["ar"], entry.get("ar_static_compile", {})
             for name in configs:
-                if name != "ar" and "wall_ms" in entry[name] and "wall_ms" in ar:
+                if "wall_ms" in entry[name] and "wall_ms" in ar:
                     entry[name]["speedup"] = entry[name]["tokens_per_s"] / ar["tokens_per_s"]
+                    if "wall_ms" in fast:
+                        entry[name]["speedup_vs_compiled_plain"] = entry[name]["tokens_per_s"] / fast["tokens_per_s"]
             print(json.dumps({shape: {b: entry}}, indent=None), flush=True)
         del model
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
     with open(args.output, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {args.output}")
     for shape, res in result["shapes"].items():
         print(f"\n{shape} ({res['params'] / 1e9:.2f}B params)")
-        print("batch  cost(1)  cost(1+B)  ratio  | mode     fwds  model ms/step  ovh ms/step  speedup")
+        print("batch  cost(1)  cost(1+B)  ratio  | mode                   fwds  model ms/step  ovh ms/step  speedup"
+              "  vs compiled plain")
         for b, e in res["batches"].items():
             c1, cB = e["cost_ms"]["1"], e["cost_ms"][str(1 + B)]
-            for name in ("ar", "sliding", "block16", "verify"):
-                r = e.get(name, {})
+            for name in ("ar", "ar_static_compile", "prompt_lookup", "sliding", "block16", "verify",
+                         "verify_static_compile"):
+                if name not in e:
+                    continue
+                r = e[name]
                 if "wall_ms" not in r:
                     print(f"{b:>5}  {name}: {r.get('error')}")
                     continue
-                print(f"{b:>5}  {c1:7.2f}  {cB:9.2f}  {cB / c1:5.2f}  | {name:8} {r['forwards']:4d}  {r['model_ms_per_step']:13.2f}"
-                      f"  {r['overhead_ms_per_step']:11.2f}  {r.get('speedup', 1.0):6.2f}x")
+                print(f"{b:>5}  {c1:7.2f}  {cB:9.2f}  {cB / c1:5.2f}  | {name:22} {r['forwards']:4d}  "
+                      f"{r['model_ms_per_step']:13.2f}  {r['overhead_ms_per_step']:11.2f}  {r.get('speedup', 1.0):6.2f}x"
+                      f"  {r.get('speedup_vs_compiled_plain', float('nan')):6.2f}x")
     return 0
 
 
