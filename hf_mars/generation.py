@@ -418,6 +418,7 @@ class _StepPlan:
     emitted_t: torch.Tensor | None = None
     slots_t: torch.Tensor | None = None
     active_t: torch.Tensor | None = None
+    drafts_t: torch.Tensor | None = None  # verify mode: the pending drafts per row
 
 
 class _MARSDecoder:
@@ -623,10 +624,12 @@ class _MARSDecoder:
         plan.uniform = len({(plan.masks[r], plan.drafts[r]) for r in plan.rows}) == 1
         if b > 1:  # every per-row count the step needs on the device, in one host->device copy
             counts = self._to_device([plan.lens, [plan.uncached[r] + plan.drafts[r] for r in range(b)], self.fed,
-                                      self.unfinished, self.emitted, plan.slots, plan.active])
+                                      self.unfinished, self.emitted, plan.slots, plan.active, plan.drafts])
             (plan.lens_t, plan.content_len_t, plan.fed_t, plan.unfinished_t, plan.emitted_t, plan.slots_t,
-             active) = counts.unbind(0)
+             active, plan.drafts_t) = counts.unbind(0)
             plan.active_t = active.bool()
+        elif opts.verify:
+            plan.drafts_t = self._to_device(plan.drafts)
         return plan
 
     def step(self) -> bool:
@@ -740,7 +743,7 @@ class _MARSDecoder:
         active_t = None if self.batch == 1 else plan.active_t
         forced = forced_mask = None
         if verify and max(plan.drafts) > 0:  # the pending drafts sit right after the committed tokens
-            forced_mask = self.arange[:S][None, :] < self._to_device(plan.drafts)[:, None]
+            forced_mask = self.arange[:S][None, :] < plan.drafts_t[:, None]
             forced = self.seq.gather(1, slot_pos)
         if self.exact:  # stateful processors or criteria: one position at a time, AR's calls only
             return self._decide_exact(slot_logits, S, plan.rows, active_t, forced, forced_mask, slot_pos, valid,
@@ -749,7 +752,8 @@ class _MARSDecoder:
                                        self.processors)
         if verify:
             acc, new_drafts = self._accept_verify(scores, chosen, forced, forced_mask, valid, plan.drafts, slot_pos,
-                                                  active_t, S, plan.drafts[plan.rows[0]] if plan.uniform else None)
+                                                  active_t, S, plan.drafts[plan.rows[0]] if plan.uniform else None,
+                                                  plan.drafts_t)
             n = self.emitted[0]
             emitted = self.seq[:, self.prompt_len + n:self.prompt_len + n + S] if self.batch == 1 else \
                 self.seq.gather(1, slot_pos)
@@ -793,8 +797,7 @@ class _MARSDecoder:
                     b, keep_cols, dtype=torch.bool, device=dev)
                 if leftover:  # a draft column stays real only if its draft was accepted (acc - 1 of them)
                     rel = self.arange[:keep_cols][None, :] - plan.start[:, None]
-                    drafts_t = self._to_device(plan.drafts)
-                    kept = kept & (rel < (plan.content_len_t - drafts_t + acc - 1)[:, None])
+                    kept = kept & (rel < (plan.content_len_t - plan.drafts_t + acc - 1)[:, None])
                 base = self.cache_attn
                 if base is None:
                     base = torch.ones(b, self.cache_len, dtype=torch.long, device=dev)
@@ -931,7 +934,8 @@ class _MARSDecoder:
         acc = 1 + ok.long().cumprod(1).sum(1)
         return acc if valid is None else acc * valid[:, 0]
 
-    def _accept_verify(self, scores, chosen, forced, forced_mask, valid, d, slot_pos, active_t, S, d_uniform):
+    def _accept_verify(self, scores, chosen, forced, forced_mask, valid, d, slot_pos, active_t, S, d_uniform,
+                       d_t):
         """Accept the longest prefix of drafts AR agrees with, plus one AR token; propose new drafts.
 
         Greedy: a draft is accepted when it equals the AR argmax. Sampling: speculative-sampling acceptance
@@ -964,19 +968,18 @@ class _MARSDecoder:
             dist = torch.where(rsum > 0, residual / rsum.clamp_min(1e-30), pk)
             resampled = torch.multinomial(dist, 1).squeeze(1)
             # all drafts accepted: the bonus token is the one already drawn from p at that slot
-            d_t = self._to_device(d)
             ar_tok = torch.where(k < d_t, resampled, chosen.gather(1, k[:, None]).squeeze(1))
         # the token at slot k is the AR token (correction or bonus)
         tok_k = ar_tok if active_t is None else torch.where(active_t, ar_tok, self.pad)
         self.seq.scatter_(1, slot_pos.gather(1, k[:, None]), tok_k[:, None])
         acc = k + 1 if active_t is None else (k + 1) * active_t
         # new drafts: the mask slots after the AR token, kept only where every pending draft was accepted
-        newd = self._propose_drafts(scores, chosen, probs, valid, d, S, d_uniform)
+        newd = self._propose_drafts(scores, chosen, probs, valid, d, S, d_uniform, d_t)
         if Dm > 0:
-            newd = torch.where(k == self._to_device(d), newd, 0)
+            newd = torch.where(k == d_t, newd, 0)
         return acc, newd
 
-    def _propose_drafts(self, scores, chosen, probs, valid, d, S, d_uniform):
+    def _propose_drafts(self, scores, chosen, probs, valid, d, S, d_uniform, d_t=None):
         """Drafts for the next step: the mask slots after each row's AR token, truncated at the first one whose
         distribution is less confident than tau. With sampling, remembers the distributions they were drawn from."""
         b, dev = self.batch, self.device
@@ -989,7 +992,7 @@ class _MARSDecoder:
             in_range = None if valid is None else valid[:, lo:lo + self.max_drafts]
             mtok = chosen[:, lo:lo + self.max_drafts]
         else:
-            d_t = self._to_device(d)
+            d_t = self._to_device(d) if d_t is None else d_t
             idx_raw = (d_t + 1)[:, None] + self.arange[:self.max_drafts][None]
             idx = idx_raw.clamp(max=S - 1)
             in_range = idx_raw < S
