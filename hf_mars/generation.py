@@ -517,12 +517,10 @@ class _MARSDecoder:
         self.sliding = any(type(layer) is DynamicSlidingWindowLayer for layer in getattr(self.cache, "layers", []))
         if self.sliding:
             self.cache.activate_past_recording()
-            self.exact = self.exact or b > 1
         # a static cache holds a fixed number of columns: rows move in lockstep (no masked pad columns pile up) and
         # it must fit the prompt, the new tokens and one step's masks / drafts beyond them
         self.static = any(type(layer) is StaticLayer for layer in getattr(self.cache, "layers", []))
         if self.static:
-            self.exact = self.exact or b > 1
             needed = P + max(self.max_new, 0) + 3 * self.candidates + 2  # one step's (fixed-width) chunk beyond
             capacity = min(layer.max_cache_len for layer in self.cache.layers)
             if capacity < needed:
@@ -574,6 +572,9 @@ class _MARSDecoder:
         # ragged rows leave masked columns in the cache, which every later forward pays for: compact them away
         # once they are more than this share of it (dynamic full-attention caches, unlocked batches only)
         self.compactable = b > 1 and not self.exact and not self.block and not self.sliding and not self.static
+        # sliding-window and static caches need every batch row to accept the same count each step (the stateful
+        # path of `_decide_exact` already moves rows that way)
+        self.lockstep = b > 1 and not self.exact and (self.sliding or self.static)
         self.one = torch.ones(1, dtype=torch.long, device=self.device)
 
     # ---------------------------------------------------------------- one step
@@ -768,7 +769,21 @@ class _MARSDecoder:
         if len(self.other_criteria) > 0:
             acc, hit = self._other_criteria(acc, S, plan.rows, scores)
             stop = hit if stop is None else stop | hit
+        if self.lockstep:
+            acc, new_drafts = self._lockstep(plan, acc, stop, new_drafts)
         return scores, acc, stop, new_drafts
+
+    def _lockstep(self, plan, acc, stop, new_drafts):
+        """Rows that go on accept the fewest tokens any of them accepted (a row that stops keeps its count and
+        finishes); new drafts only where a row emitted all its pending drafts and the AR token, then the same
+        number in every row. Emitting fewer accepted tokens changes no token: each is the one AR decoding picks."""
+        going = plan.active_t if stop is None else plan.active_t & ~stop
+        never = torch.iinfo(acc.dtype).max
+        acc = torch.where(going, torch.minimum(acc, torch.where(going, acc, never).amin()), acc)
+        if new_drafts is not None:
+            new_drafts = torch.where(going & (acc == plan.drafts_t + 1), new_drafts, 0)
+            new_drafts = torch.where(going, torch.where(going, new_drafts, never).amin(), 0)
+        return acc, new_drafts
 
     def _crop_cache(self, plan, col_real, acc, accepted, finished) -> int:
         """Drop the masks' (and rejected drafts') cache entries; returns how many columns of the chunk stay.
