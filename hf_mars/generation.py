@@ -448,8 +448,9 @@ class _MARSDecoder:
         self.processors = _lp.LogitsProcessorList(kept)
         # stateful processors / criteria get AR's calls only (see `_decide_exact`); the stateless part of the
         # chain still processes speculative candidates (verify mode drafts from it)
-        self.stateful_procs = [p for p in kept if not _is_stateless(p, _STATELESS_PROCESSORS)]
-        self.stateless_chain = _lp.LogitsProcessorList([p for p in kept if _is_stateless(p, _STATELESS_PROCESSORS)])
+        pure = [_is_stateless(p, _STATELESS_PROCESSORS) for p in kept]
+        self.stateful_procs = [p for p, is_pure in zip(kept, pure) if not is_pure]
+        self.stateless_chain = _lp.LogitsProcessorList([p for p, is_pure in zip(kept, pure) if is_pure])
         self.copies_failed = False  # threshold mode: a stateful processor could not be copied (one token per step)
         self.suppress = sorted(suppressed)
         self.suppress_index = self.suppress[0] if len(self.suppress) == 1 else torch.tensor(
