@@ -1164,8 +1164,12 @@ class _MARSDecoder:
         width = max(a for _, a in runs)
         if width == 0:
             return
-        block = torch.full((self.batch, width), self.pad, dtype=torch.long)
         cpu = self.seq.cpu()
+        if hasattr(self.streamer, "put_rows"):  # a batch-aware streamer gets each row's own new tokens (maybe none)
+            self.streamer.put_rows([cpu[r, self.prompt_len + start:self.prompt_len + start + a]
+                                    for r, (start, a) in enumerate(runs)])
+            return
+        block = torch.full((self.batch, width), self.pad, dtype=torch.long)
         for r, (start, a) in enumerate(runs):
             block[r, :a] = cpu[r, self.prompt_len + start:self.prompt_len + start + a]
         self.streamer.put(block)

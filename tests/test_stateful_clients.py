@@ -17,7 +17,7 @@ from hf_mars.generation import enable_mars
 PROMPTS = ["hello world", "a", "the quick brown fox", "xy"]
 
 
-def position_only_model(tok, seed=0):
+def position_only_model(tok, seed=0, n_positions=256):
     """A GPT-2 whose input embeddings are all equal (mask included): its predictions depend on positions only,
     so mask predictions equal the AR ones and verify mode accepts most drafts, exercising multi-slot steps."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -25,7 +25,7 @@ def position_only_model(tok, seed=0):
     from hf_mars import add_mask_token
 
     torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=256, initializer_range=0.5,
+    cfg = GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=n_positions, initializer_range=0.5,
                      tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                      bos_token_id=None)
     model = GPT2LMHeadModel(cfg).eval()
