@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -27,7 +28,7 @@ from hf_mars.demo.data import accuracy, generate_examples
 CONFIGS = {
     "fixed τ=1": ["--tau-ladder", "0:1.0"],
     "ladder": ["--tau-ladder", "0:1.0,2:0.99"],
-    "ladder (entropy)": ["--tau-ladder", "0:1.0,2:0.95,6:0.9", "--mars-acceptance", "entropy"],
+    "ladder to 0.95": ["--tau-ladder", "0:1.0,2:0.99,6:0.95"],
     "lossless": ["--lossless"],
 }
 
@@ -47,7 +48,7 @@ class Server:
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none",
-                                         max_retries=0, timeout=600)
+                                         max_retries=0, timeout=120)
         self.model = model
 
     async def wait_ready(self, timeout=120):
@@ -60,6 +61,10 @@ class Server:
                 if self.proc.poll() is not None or time.time() > deadline:
                     raise RuntimeError("server did not start: " + (self.proc.stderr.read() or "")[-2000:])
                 await asyncio.sleep(0.5)
+
+    def counter(self, name):
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=30).read().decode()
+        return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
     def stop(self):
         self.proc.terminate()
@@ -84,6 +89,7 @@ async def _one(server, example, max_tokens):
 async def run_level(server, examples, rate, max_tokens, seed):
     """Poisson arrivals at ``rate`` requests/s (rate None: one burst); every request awaited."""
     rng = random.Random(seed)
+    busy0 = server.counter("hf_mars_decode_seconds_total")
     tasks, t = [], time.perf_counter()
     for ex in examples:
         tasks.append(asyncio.create_task(_one(server, ex, max_tokens)))
@@ -93,6 +99,7 @@ async def run_level(server, examples, rate, max_tokens, seed):
     results = await asyncio.gather(*tasks)
     ok = [r for r in results if r["ok"]]
     span = max(r["end"] for r in results) - min(r["start"] for r in results)
+    busy = server.counter("hf_mars_decode_seconds_total") - busy0
     lat = sorted(r["end"] - r["start"] for r in ok)
     acc = accuracy([ex["task"] for ex in examples], [r.get("text") or "" for r in results],
                    [ex["messages"][1]["content"] for ex in examples])["overall"]
@@ -100,7 +107,7 @@ async def run_level(server, examples, rate, max_tokens, seed):
             "unique_ids": len({r["id"] for r in ok}), "failed": [r["error"] for r in results if not r["ok"]][:3],
             "throughput_rps": len(ok) / span, "tokens_per_s": sum(r["tokens"] for r in ok) / span,
             "p50_s": lat[len(lat) // 2] if lat else None, "p95_s": lat[int(0.95 * (len(lat) - 1))] if lat else None,
-            "accuracy": acc, "texts": [r.get("text") for r in results]}
+            "decode_utilisation": busy / span, "accuracy": acc, "texts": [r.get("text") for r in results]}
 
 
 async def main(args):
@@ -115,6 +122,7 @@ async def main(args):
         await run_level(server, examples[:8], None, args.max_tokens, 0)  # warm-up
         burst = await run_level(server, examples, None, args.max_tokens, 0)
     finally:
+        await server.client.close()
         server.stop()
     capacity = burst["throughput_rps"]
     out["capacity_fixed_tau1_rps"] = capacity
@@ -132,8 +140,9 @@ async def main(args):
                 rows.append(row)
                 print(f"{name:18s} load {level:4.2f}x: {row['throughput_rps']:.2f} req/s, acc "
                       f"{100 * row['accuracy']:.1f}%, p50 {row['p50_s']:.2f}s p95 {row['p95_s']:.2f}s, "
-                      f"answered {row['answered']}/{row['requests']}", flush=True)
+                      f"answered {row['answered']}/{row['requests']}, decoder busy {row['decode_utilisation']:.0%}", flush=True)
         finally:
+            await server.client.close()
             rc = server.stop()
         out["runs"][name] = {"levels": rows, "exit_code": rc}
     # answers identical to fixed τ = 1 (greedy) at every level, for the lossless server
