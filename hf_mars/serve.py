@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import importlib.util
 import json
 import threading
 import time
@@ -611,6 +612,9 @@ def add_arguments(p):
 
 
 def run(args):
+    missing = [m for m in ("fastapi", "uvicorn", "openai", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"hf-mars serve needs {', '.join(missing)}: pip install 'hf-mars[serve]'")
     import uvicorn
 
     ladder = TauLadder(args.tau_ladder)

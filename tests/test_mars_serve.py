@@ -309,3 +309,14 @@ def test_queue_limit_and_graceful_shutdown(checkpoint):
     assert len(results) == 6 and set(results.values()) <= {1200, 429}, results
     assert 429 in results.values() and len(answered) >= 2  # one decoding + one waiting, the rest refused
     assert any(done_at[i] > term_at for i in answered)  # finished after SIGTERM: shutdown waited for it
+
+
+@pytest.mark.timeout(300)
+def test_legacy_completions_endpoint_batches_through_mars_too(server, tiny):
+    client, _ = server
+    model, tok = tiny
+    ids = tok("Reverse: abc", return_tensors="pt")["input_ids"]
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
+    want = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    got = client.completions.create(model="tiny", prompt="Reverse: abc", max_tokens=20, temperature=0)
+    assert got.choices[0].text == want

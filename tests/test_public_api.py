@@ -15,4 +15,4 @@ def test_cli_has_the_documented_commands():
     from hf_mars.cli import build_parser
 
     sub = next(a for a in build_parser()._actions if a.dest == "command")
-    assert set(sub.choices) == {"demo", "bench", "push"}
+    assert set(sub.choices) == {"demo", "bench", "push", "serve"}
