@@ -409,7 +409,12 @@ class _StepPlan:
     logits_kept: int = 0  # logits kept from the end of the chunk: from candidate 0 (before drafts and masks) on
     uniform: bool = False  # every active row has the same drafts and masks: its slots are a plain slice
     width: int = 0  # columns of the chunk (set when it is built)
-    start: torch.Tensor | None = None  # batches: each row's first real column
+    # batches, decode steps: the chunk and the slots, laid out on the host and copied with the counts
+    src_t: torch.Tensor | None = None  # where each chunk column's token is in `seq` (pad / mask: constant columns)
+    pos_t: torch.Tensor | None = None  # position ids of the chunk
+    real_t: torch.Tensor | None = None  # 1 where a chunk column is real, 0 where it is left padding
+    slot_pos_t: torch.Tensor | None = None  # where each candidate slot's token goes in `seq`
+    valid_t: torch.Tensor | None = None  # which slots a row may accept
     # batches: the per-row counts above, on the device
     lens_t: torch.Tensor | None = None
     content_len_t: torch.Tensor | None = None
@@ -453,8 +458,7 @@ class _MARSDecoder:
         self.stateless_chain = _lp.LogitsProcessorList([p for p, is_pure in zip(kept, pure) if is_pure])
         self.copies_failed = False  # threshold mode: a stateful processor could not be copied (one token per step)
         self.suppress = sorted(suppressed)
-        self.suppress_index = self.suppress[0] if len(self.suppress) == 1 else torch.tensor(
-            self.suppress, dtype=torch.long, device=self.device)
+        self.suppress_t = torch.tensor(self.suppress, dtype=torch.long, device=self.device)
         eos_ids, max_length, other = [], None, []
         for crit in stopping_criteria if stopping_criteria is not None else []:
             if isinstance(crit, _sc.EosTokenCriteria):
@@ -496,8 +500,10 @@ class _MARSDecoder:
         self.buf_len = P + max(self.max_new, 0) + max_slots + 2
 
         # --- token buffer: prompt | generated (pad-filled: finished rows read like AR's padded rows) ---
-        self.seq = torch.full((b, self.buf_len), self.pad, dtype=torch.long, device=self.device)
+        # plus two constant columns, pad and mask, so that one gather builds a batched chunk
+        self.seq = torch.full((b, self.buf_len + 2), self.pad, dtype=torch.long, device=self.device)
         self.seq[:, :P] = input_ids
+        self.seq[:, self.buf_len + 1] = opts.mask_token_id
         attn = model_kwargs.get("attention_mask")
         self.prompt_attn = attn
         if attn is not None:
@@ -624,12 +630,35 @@ class _MARSDecoder:
         if self.fixed_width and not plan.first:
             plan.logits_kept = self.fixed_width
         plan.uniform = len({(plan.masks[r], plan.drafts[r]) for r in plan.rows}) == 1
-        if b > 1:  # every per-row count the step needs on the device, in one host->device copy
-            counts = self._to_device([plan.lens, [plan.uncached[r] + plan.drafts[r] for r in range(b)], self.fed,
-                                      self.unfinished, self.emitted, plan.slots, plan.active, plan.drafts])
+        if b > 1:  # every per-row value the step needs on the device, in one host->device copy
+            content = [plan.uncached[r] + plan.drafts[r] for r in range(b)]
+            flat = [v for row in (plan.lens, content, self.fed, self.unfinished, self.emitted, plan.slots,
+                                  plan.active, plan.drafts) for v in row]
+            W, S, P = max(plan.lens), plan.max_slots, self.prompt_len
+            slot_pos, valid = [], []  # where each candidate slot's token goes, and which slots a row may accept
+            for r in range(b):
+                slot_pos += range(P + self.emitted[r], P + self.emitted[r] + S)
+                valid += [1] * plan.slots[r] + [0] * (S - plan.slots[r])
+            flat += slot_pos + valid
+            sizes = [8 * b, b * S, b * S]
+            if not plan.first:  # the chunk, right-aligned: [pad | committed + drafts | masks]
+                pad_col, mask_col = self.buf_len, self.buf_len + 1
+                src, pos, real = [], [], []
+                for r in range(b):
+                    n, c, f, left = plan.lens[r], content[r], self.fed[r], W - plan.lens[r]
+                    src += [pad_col] * left + list(range(P + f, P + f + c)) + [mask_col] * (n - c)
+                    p0 = self.prompt_real_host[r] + f
+                    pos += [0] * left + list(range(p0, p0 + n))
+                    real += [0] * left + [1] * n
+                flat += src + pos + real
+                sizes += [b * W] * 3
+            parts = self._to_device(flat).split(sizes)
             (plan.lens_t, plan.content_len_t, plan.fed_t, plan.unfinished_t, plan.emitted_t, plan.slots_t,
-             active, plan.drafts_t) = counts.unbind(0)
+             active, plan.drafts_t) = parts[0].view(8, b).unbind(0)
             plan.active_t = active.bool()
+            plan.slot_pos_t, plan.valid_t = parts[1].view(b, S), parts[2].view(b, S).bool()
+            if not plan.first:
+                plan.src_t, plan.pos_t, plan.real_t = (t.view(b, W) for t in parts[3:6])
         elif opts.verify:
             plan.drafts_t = self._to_device(plan.drafts)
         return plan
@@ -681,15 +710,10 @@ class _MARSDecoder:
             offset = self.prompt_real_int + fed
             position_ids = self.arange[offset:offset + plan.width][None]
             col_real = None if self.cache_attn is None else torch.ones(1, plan.width, dtype=torch.bool, device=dev)
-        else:
+        else:  # laid out on the host by _plan: one gather (pad and mask come from seq's constant columns)
             plan.width = max(plan.lens)
-            plan.start = plan.width - plan.lens_t  # first real column of each row
-            rel = self.arange[:plan.width][None, :] - plan.start[:, None]
-            col_real = rel >= 0
-            is_token = col_real & (rel < plan.content_len_t[:, None])
-            tokens = self.seq.gather(1, ((P + plan.fed_t)[:, None] + rel).clamp(0, self.buf_len - 1))
-            input_ids = torch.where(is_token, tokens, torch.where(col_real, self.mask_col, self.pad))
-            position_ids = torch.where(col_real, (self.prompt_real + plan.fed_t)[:, None] + rel, 0)
+            input_ids = self.seq.gather(1, plan.src_t)
+            position_ids, col_real = plan.pos_t, plan.real_t
             # pads only matter in rows still decoding; with none there and none in the cache, no mask at all
             if self.cache_attn is None and all(plan.lens[r] == plan.width for r in plan.rows):
                 col_real = None
@@ -730,19 +754,20 @@ class _MARSDecoder:
             slot_logits = logits.gather(1, idx[:, :, None].expand(-1, -1, logits.shape[-1]))
         slot_logits = slot_logits.to(dtype=torch.float32, copy=True)
         raw_logits = slot_logits.clone() if self.output_logits else None  # output_logits: before any processing
-        slot_logits[..., self.suppress_index] = -math.inf  # the mask token is never emitted
+        slot_logits.index_fill_(-1, self.suppress_t, -math.inf)  # the mask token is never emitted
         if b == 1:
             n = self.emitted[0]
             return slot_logits, raw_logits, self.arange[P + n:P + n + S][None], None
-        slot_pos = P + plan.emitted_t[:, None] + self.arange[:S][None, :]
-        return slot_logits, raw_logits, slot_pos, self.arange[:S][None, :] < plan.slots_t[:, None]
+        if all(plan.active) and min(plan.slots) == S:  # every row may accept every slot
+            return slot_logits, raw_logits, plan.slot_pos_t, None
+        return slot_logits, raw_logits, plan.slot_pos_t, plan.valid_t
 
     def _choose_and_accept(self, plan, slot_logits, slot_pos, valid):
         """Process the candidates, choose their tokens, accept a run of them and apply the stops.
 
         Returns (scores, accepted count, stopped or None, new drafts or None) as device tensors."""
         S, verify = plan.max_slots, self.opts.verify
-        active_t = None if self.batch == 1 else plan.active_t
+        active_t = None if self.batch == 1 or all(plan.active) else plan.active_t
         forced = forced_mask = None
         if verify and max(plan.drafts) > 0:  # the pending drafts sit right after the committed tokens
             forced_mask = self.arange[:S][None, :] < plan.drafts_t[:, None]
@@ -812,7 +837,7 @@ class _MARSDecoder:
                 kept = col_real[:, :keep_cols] if col_real is not None else torch.ones(
                     b, keep_cols, dtype=torch.bool, device=dev)
                 if leftover:  # a draft column stays real only if its draft was accepted (acc - 1 of them)
-                    rel = self.arange[:keep_cols][None, :] - plan.start[:, None]
+                    rel = self.arange[:keep_cols][None, :] - (width - plan.lens_t)[:, None]
                     kept = kept & (rel < (plan.content_len_t - plan.drafts_t + acc - 1)[:, None])
                 base = self.cache_attn
                 if base is None:
@@ -866,7 +891,7 @@ class _MARSDecoder:
             fin_t = self._to_device(finished, torch.bool)
             emitted_t = self._to_device(self.emitted)
             tail = self.arange[:self.buf_len][None, :] >= (self.prompt_len + emitted_t)[:, None]
-            self.seq.masked_fill_(fin_t[:, None] & tail, self.pad)
+            self.seq[:, :self.buf_len].masked_fill_(fin_t[:, None] & tail, self.pad)
         if self.block:
             self.chunk_start = all((not self.unfinished[r]) or self.in_chunk[r] >= self.chunk for r in range(b))
             if self.chunk_start:
@@ -944,7 +969,8 @@ class _MARSDecoder:
         S = scores.shape[1]
         if self.one_token or S == 1:
             return self.one.expand(self.batch) if valid is None else valid[:, 0].long()
-        ok = self._confidence(scores[:, 1:], chosen[:, 1:]) >= self.opts.tau
+        # greedy: the chosen token is the argmax, so its probability is the distribution's largest
+        ok = self._confidence(scores[:, 1:], chosen[:, 1:], of_distribution=not self.do_sample) >= self.opts.tau
         if valid is not None:
             ok &= valid[:, 1:]
         acc = 1 + ok.long().cumprod(1).sum(1)
@@ -962,8 +988,7 @@ class _MARSDecoder:
         Dm = max(d)
         probs = None
         if Dm == 0:
-            k = torch.zeros(b, dtype=torch.long, device=dev)
-            ar_tok = chosen[:, 0]
+            k = ar_tok = None
         elif not self.do_sample:
             agree = (chosen[:, :Dm] == forced[:, :Dm]) & forced_mask[:, :Dm]
             k = agree.long().cumprod(1).sum(1)
@@ -985,10 +1010,13 @@ class _MARSDecoder:
             resampled = torch.multinomial(dist, 1).squeeze(1)
             # all drafts accepted: the bonus token is the one already drawn from p at that slot
             ar_tok = torch.where(k < d_t, resampled, chosen.gather(1, k[:, None]).squeeze(1))
-        # the token at slot k is the AR token (correction or bonus)
-        tok_k = ar_tok if active_t is None else torch.where(active_t, ar_tok, self.pad)
-        self.seq.scatter_(1, slot_pos.gather(1, k[:, None]), tok_k[:, None])
-        acc = k + 1 if active_t is None else (k + 1) * active_t
+        # the token at slot k is the AR token (correction or bonus); with no drafts it is already there (slot 0)
+        if Dm > 0:
+            tok_k = ar_tok if active_t is None else torch.where(active_t, ar_tok, self.pad)
+            self.seq.scatter_(1, slot_pos.gather(1, k[:, None]), tok_k[:, None])
+            acc = k + 1 if active_t is None else (k + 1) * active_t
+        else:
+            acc = self.one.expand(b) if active_t is None else active_t.long()
         # new drafts: the mask slots after the AR token, kept only where every pending draft was accepted
         newd = self._propose_drafts(scores, chosen, probs, valid, d, S, d_uniform, d_t)
         if Dm > 0:
