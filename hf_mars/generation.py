@@ -415,6 +415,8 @@ class _StepPlan:
     real_t: torch.Tensor | None = None  # 1 where a chunk column is real, 0 where it is left padding
     slot_pos_t: torch.Tensor | None = None  # where each candidate slot's token goes in `seq`
     valid_t: torch.Tensor | None = None  # which slots a row may accept
+    forced_t: torch.Tensor | None = None  # verify: which slots hold a pending draft
+    slot_col_t: torch.Tensor | None = None  # rows of different layouts: the logits column each slot reads
     # batches: the per-row counts above, on the device
     lens_t: torch.Tensor | None = None
     content_len_t: torch.Tensor | None = None
@@ -634,13 +636,23 @@ class _MARSDecoder:
             content = [plan.uncached[r] + plan.drafts[r] for r in range(b)]
             flat = [v for row in (plan.lens, content, self.fed, self.unfinished, self.emitted, plan.slots,
                                   plan.active, plan.drafts) for v in row]
-            W, S, P = max(plan.lens), plan.max_slots, self.prompt_len
-            slot_pos, valid = [], []  # where each candidate slot's token goes, and which slots a row may accept
+            W, S, P, kept = max(plan.lens), plan.max_slots, self.prompt_len, plan.logits_kept
+            # per slot: where its token goes in `seq`, whether the row may accept it, [verify with drafts:
+            # whether it holds a pending draft], [rows of different layouts: which logits column it reads]
+            forced = opts.verify and max(plan.drafts) > 0
+            slot_rows = 2 + forced + (not plan.uniform)
             for r in range(b):
-                slot_pos += range(P + self.emitted[r], P + self.emitted[r] + S)
-                valid += [1] * plan.slots[r] + [0] * (S - plan.slots[r])
-            flat += slot_pos + valid
-            sizes = [8 * b, b * S, b * S]
+                flat += range(P + self.emitted[r], P + self.emitted[r] + S)
+            for r in range(b):
+                flat += [1] * plan.slots[r] + [0] * (S - plan.slots[r])
+            if forced:
+                for r in range(b):
+                    flat += [1] * min(plan.drafts[r], S) + [0] * (S - min(plan.drafts[r], S))
+            if not plan.uniform:
+                for r in range(b):
+                    c0 = kept - (plan.masks[r] + plan.drafts[r] + 1) if plan.active[r] else 0
+                    flat += [min(c0 + s, kept - 1) for s in range(S)]
+            sizes = [8 * b, slot_rows * b * S]
             if not plan.first:  # the chunk, right-aligned: [pad | committed + drafts | masks]
                 pad_col, mask_col = self.buf_len, self.buf_len + 1
                 src, pos, real = [], [], []
@@ -651,14 +663,17 @@ class _MARSDecoder:
                     pos += [0] * left + list(range(p0, p0 + n))
                     real += [0] * left + [1] * n
                 flat += src + pos + real
-                sizes += [b * W] * 3
+                sizes.append(3 * b * W)
             parts = self._to_device(flat).split(sizes)
             (plan.lens_t, plan.content_len_t, plan.fed_t, plan.unfinished_t, plan.emitted_t, plan.slots_t,
              active, plan.drafts_t) = parts[0].view(8, b).unbind(0)
             plan.active_t = active.bool()
-            plan.slot_pos_t, plan.valid_t = parts[1].view(b, S), parts[2].view(b, S).bool()
+            slot_parts = parts[1].view(slot_rows, b, S).unbind(0)
+            plan.slot_pos_t, plan.valid_t = slot_parts[0], slot_parts[1].bool()
+            plan.forced_t = slot_parts[2].bool() if forced else None
+            plan.slot_col_t = slot_parts[-1] if not plan.uniform else None
             if not plan.first:
-                plan.src_t, plan.pos_t, plan.real_t = (t.view(b, W) for t in parts[3:6])
+                plan.src_t, plan.pos_t, plan.real_t = parts[2].view(3, b, W).unbind(0)
         elif opts.verify:
             plan.drafts_t = self._to_device(plan.drafts)
         return plan
@@ -747,11 +762,8 @@ class _MARSDecoder:
             r0 = plan.rows[0]
             offset = kept - (plan.masks[r0] + plan.drafts[r0] + 1)
             slot_logits = logits[:, offset:offset + S]
-        else:
-            first_col = self._to_device([kept - (plan.masks[r] + plan.drafts[r] + 1) if plan.active[r] else 0
-                                         for r in range(b)])
-            idx = (first_col[:, None] + self.arange[:S][None]).clamp(max=kept - 1)
-            slot_logits = logits.gather(1, idx[:, :, None].expand(-1, -1, logits.shape[-1]))
+        else:  # (batches only: one row is always uniform)
+            slot_logits = logits.gather(1, plan.slot_col_t[:, :, None].expand(-1, -1, logits.shape[-1]))
         slot_logits = slot_logits.to(dtype=torch.float32, copy=True)
         raw_logits = slot_logits.clone() if self.output_logits else None  # output_logits: before any processing
         slot_logits.index_fill_(-1, self.suppress_t, -math.inf)  # the mask token is never emitted
@@ -770,7 +782,7 @@ class _MARSDecoder:
         active_t = None if self.batch == 1 or all(plan.active) else plan.active_t
         forced = forced_mask = None
         if verify and max(plan.drafts) > 0:  # the pending drafts sit right after the committed tokens
-            forced_mask = self.arange[:S][None, :] < plan.drafts_t[:, None]
+            forced_mask = self.arange[:S][None, :] < plan.drafts_t[:, None] if self.batch == 1 else plan.forced_t
             forced = self.seq.gather(1, slot_pos)
         if self.exact:  # stateful processors or criteria: one position at a time, AR's calls only
             return self._decide_exact(slot_logits, S, plan.rows, active_t, forced, forced_mask, slot_pos, valid,
