@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import importlib.util
+import inspect
 import json
 import threading
 import time
@@ -514,7 +515,6 @@ def build_app(model: str, ladder: TauLadder, *, served_model_name: str | None = 
     from transformers.cli.serving.model_manager import ModelManager
     from transformers.cli.serving.response import ResponseHandler
     from transformers.cli.serving.server import build_server
-    from transformers.cli.serving.systemone import SystemOneHandler
     from transformers.cli.serving.transcription import TranscriptionHandler
 
     from .generation import enable_mars
@@ -532,11 +532,14 @@ def build_app(model: str, ladder: TauLadder, *, served_model_name: str | None = 
     handlers = {name: _mars_handler(base, names, max_tokens_limit)(model_manager=models, generation_state=state)
                 for name, base in (("chat", ChatCompletionHandler), ("completion", CompletionHandler),
                                    ("response", ResponseHandler))}
+    extra = {}
+    if "systemone_handler" in inspect.signature(build_server).parameters:  # /v1/systemone: transformers >= 5.2x
+        from transformers.cli.serving.systemone import SystemOneHandler
+
+        extra["systemone_handler"] = SystemOneHandler(model_manager=models, generation_state=state)
     app = build_server(models, handlers["chat"], completion_handler=handlers["completion"],
                        response_handler=handlers["response"],
-                       transcription_handler=TranscriptionHandler(models, state),
-                       systemone_handler=SystemOneHandler(model_manager=models, generation_state=state),
-                       generation_state=state)
+                       transcription_handler=TranscriptionHandler(models, state), generation_state=state, **extra)
     app.state.mars_manager, app.state.metrics = manager, metrics
 
     @app.exception_handler(StarletteHTTPException)
@@ -576,6 +579,16 @@ def build_app(model: str, ladder: TauLadder, *, served_model_name: str | None = 
         if path != "/metrics":
             metrics.requests.labels(path=path, status=str(response.status_code)).inc()
         return response
+
+    # /v1/models: the one model this server serves, under each name it answers to (transformers' own route
+    # scans the local Hub cache, which may not exist for a local checkpoint)
+    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) != "/v1/models"]
+
+    @app.get("/v1/models")
+    def _models():
+        listed = [served_model_name] if served_model_name else []
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "hf-mars"}
+                                           for name in listed + [model]]}
 
     @app.get("/metrics")
     def _metrics():

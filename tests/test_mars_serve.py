@@ -226,6 +226,7 @@ def test_server_answers_like_greedy_streaming_and_not(server, tiny):
     assert _chat(client, PROMPTS[1]) == want
     assert _chat(client, PROMPTS[1], stream=True) == want
     assert _chat(client, PROMPTS[1], extra_body={"mars_threshold": 1.0}) == want  # per-request τ override
+    assert [m.id for m in client.models.list().data][0] == "tiny"
     text = _metrics(port)
     assert 'hf_mars_requests_total{path="/v1/chat/completions",status="200"} 3.0' in text
     assert "hf_mars_tokens_per_forward" in text and "hf_mars_request_latency_seconds_bucket" in text
