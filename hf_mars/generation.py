@@ -417,6 +417,8 @@ class _StepPlan:
     valid_t: torch.Tensor | None = None  # which slots a row may accept
     forced_t: torch.Tensor | None = None  # verify: which slots hold a pending draft
     slot_col_t: torch.Tensor | None = None  # rows of different layouts: the logits column each slot reads
+    draft_idx_t: torch.Tensor | None = None  # verify, rows of different layouts: the slots new drafts come from
+    draft_ok_t: torch.Tensor | None = None  # ... and which of them exist (within the slots the row may accept)
     # batches: the per-row counts above, on the device
     lens_t: torch.Tensor | None = None
     content_len_t: torch.Tensor | None = None
@@ -480,6 +482,7 @@ class _MARSDecoder:
             raise ValueError("MARS decoding needs a length limit: pass max_new_tokens or max_length.")
         self.max_new = int(max_length) - P
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device) if eos_ids else None
+        self._eos_scan = {}  # slots S -> (1..S, S + 1): the EOS scan's constants, made once per width
         pad = generation_config.pad_token_id
         if pad is None and eos_ids:
             pad = eos_ids[0]
@@ -574,6 +577,7 @@ class _MARSDecoder:
         self.q_drafts = None  # verify + sampling: distributions the pending drafts were drawn from
         self.forwards = torch.zeros(b, dtype=torch.long, device=self.device)
         self.compactions = 0
+        self.plan = None  # the current step's plan
         self.records = [] if (self.output_scores or self.output_logits) else None
         self.model_forward = model.__call__
         self.prompt_real_int = int(self.prompt_real[0]) if b == 1 else None
@@ -653,6 +657,16 @@ class _MARSDecoder:
                     c0 = kept - (plan.masks[r] + plan.drafts[r] + 1) if plan.active[r] else 0
                     flat += [min(c0 + s, kept - 1) for s in range(S)]
             sizes = [8 * b, slot_rows * b * S]
+            # verify, rows of different layouts: the slots each row's new drafts are read from, and which exist
+            M = self.max_drafts
+            draft_rows = bool(opts.verify and not plan.uniform and M > 0 and S > max(plan.drafts) + 1)
+            if draft_rows:
+                for r in range(b):
+                    flat += [min(plan.drafts[r] + 1 + j, S - 1) for j in range(M)]
+                for r in range(b):
+                    flat += [int(plan.drafts[r] + 1 + j < S and min(plan.drafts[r] + 1 + j, S - 1) < plan.slots[r])
+                             for j in range(M)]
+                sizes.append(2 * b * M)
             if not plan.first:  # the chunk, right-aligned: [pad | committed + drafts | masks]
                 pad_col, mask_col = self.buf_len, self.buf_len + 1
                 src, pos, real = [], [], []
@@ -672,8 +686,11 @@ class _MARSDecoder:
             plan.slot_pos_t, plan.valid_t = slot_parts[0], slot_parts[1].bool()
             plan.forced_t = slot_parts[2].bool() if forced else None
             plan.slot_col_t = slot_parts[-1] if not plan.uniform else None
+            if draft_rows:
+                plan.draft_idx_t, in_range = parts[2].view(2, b, M).unbind(0)
+                plan.draft_ok_t = in_range.bool()
             if not plan.first:
-                plan.src_t, plan.pos_t, plan.real_t = parts[2].view(3, b, W).unbind(0)
+                plan.src_t, plan.pos_t, plan.real_t = parts[-1].view(3, b, W).unbind(0)
         elif opts.verify:
             plan.drafts_t = self._to_device(plan.drafts)
         return plan
@@ -682,7 +699,7 @@ class _MARSDecoder:
         """One forward and everything it decides; False once every row has finished. Reads top to bottom:
         plan the chunk, build it, forward, read the candidate slots, choose and accept (processors, stops),
         one host sync, crop the cache, commit."""
-        plan = self._plan()
+        plan = self.plan = self._plan()
         input_ids, position_ids, col_real = self._build_chunk(plan)
         logits = self._forward(plan, input_ids, position_ids, col_real)
         slot_logits, raw_logits, slot_pos, valid = self._candidate_slots(plan, logits)
@@ -801,7 +818,9 @@ class _MARSDecoder:
         # stops, checked after every accepted token: EOS, then any other criteria
         stop = None
         if self.eos is not None:
-            eos_at = torch.where(torch.isin(emitted, self.eos), self.arange[1:S + 1], S + 1).amin(1)
+            at, never = self._eos_scan.get(S) or self._eos_scan.setdefault(
+                S, (self.arange[1:S + 1].clone(), torch.full((1,), S + 1, dtype=torch.long, device=self.device)))
+            eos_at = torch.where(torch.isin(emitted, self.eos), at, never).amin(1)
             stop = eos_at <= acc
             acc = torch.minimum(acc, eos_at)
         if len(self.other_criteria) > 0:
@@ -846,11 +865,18 @@ class _MARSDecoder:
             self.cache.crop(-drop)
         if keep_cols:
             if col_real is not None or self.cache_attn is not None or leftover:
-                kept = col_real[:, :keep_cols] if col_real is not None else torch.ones(
-                    b, keep_cols, dtype=torch.bool, device=dev)
-                if leftover:  # a draft column stays real only if its draft was accepted (acc - 1 of them)
-                    rel = self.arange[:keep_cols][None, :] - (width - plan.lens_t)[:, None]
-                    kept = kept & (rel < (plan.content_len_t - plan.drafts_t + acc - 1)[:, None])
+                if leftover:  # (batches only) a draft column stays real only if its draft was accepted: the
+                    # row's committed tokens and acc - 1 drafts, counted from its first real column (host-known)
+                    kept = []
+                    for r in range(b):
+                        first = width - plan.lens[r]
+                        real_from = 0 if col_real is None else first
+                        end = first + plan.uncached[r] + accepted[r] - 1
+                        kept += [1 if real_from <= j < end else 0 for j in range(keep_cols)]
+                    kept = self._to_device(kept).view(b, keep_cols)
+                else:
+                    kept = col_real[:, :keep_cols] if col_real is not None else torch.ones(
+                        b, keep_cols, dtype=torch.bool, device=dev)
                 base = self.cache_attn
                 if base is None:
                     base = torch.ones(b, self.cache_len, dtype=torch.long, device=dev)
@@ -1002,7 +1028,7 @@ class _MARSDecoder:
         if Dm == 0:
             k = ar_tok = None
         elif not self.do_sample:
-            agree = (chosen[:, :Dm] == forced[:, :Dm]) & forced_mask[:, :Dm]
+            agree = (chosen == forced) & forced_mask  # forced_mask is False past each row's drafts
             k = agree.long().cumprod(1).sum(1)
             ar_tok = chosen.gather(1, k[:, None]).squeeze(1)
         else:
@@ -1048,12 +1074,15 @@ class _MARSDecoder:
             in_range = None if valid is None else valid[:, lo:lo + self.max_drafts]
             mtok = chosen[:, lo:lo + self.max_drafts]
         else:
-            d_t = self._to_device(d) if d_t is None else d_t
-            idx_raw = (d_t + 1)[:, None] + self.arange[:self.max_drafts][None]
-            idx = idx_raw.clamp(max=S - 1)
-            in_range = idx_raw < S
-            if valid is not None:
-                in_range &= valid.gather(1, idx)
+            if self.plan is not None and self.plan.draft_idx_t is not None and d is self.plan.drafts:
+                idx, in_range = self.plan.draft_idx_t, self.plan.draft_ok_t  # laid out on the host by _plan
+            else:
+                d_t = self._to_device(d) if d_t is None else d_t
+                idx_raw = (d_t + 1)[:, None] + self.arange[:self.max_drafts][None]
+                idx = idx_raw.clamp(max=S - 1)
+                in_range = idx_raw < S
+                if valid is not None:
+                    in_range &= valid.gather(1, idx)
             mprobs = probs if probs is not None else torch.softmax(scores, dim=-1)
             mprobs = mprobs.gather(1, idx[:, :, None].expand(-1, -1, mprobs.shape[-1]))
             mtok = chosen.gather(1, idx)
