@@ -266,10 +266,14 @@ def test_server_bad_input_is_a_4xx_json_error_and_it_keeps_serving(server, check
 def test_client_disconnect_mid_stream_cancels_the_row(server):
     client, port = server
     gen = json.dumps({"min_new_tokens": 1500, "max_new_tokens": 1500, "do_sample": False})
+    # τ = 1: one token per forward, so the 1500 tokens take seconds and the disconnect lands mid-generation
     stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "go"}],
-                                            max_tokens=1500, stream=True, extra_body={"generation_config": gen})
-    next(iter(stream))
-    stream.close()  # the client goes away after the first chunk
+                                            max_tokens=1500, stream=True,
+                                            extra_body={"generation_config": gen, "mars_threshold": 1.0})
+    chunks = iter(stream)
+    next(chunks)
+    next(chunks)  # the first generated text
+    stream.close()  # the client goes away
     deadline = time.time() + 60
     while "hf_mars_requests_cancelled_total 1.0" not in _metrics(port):
         assert time.time() < deadline, "the disconnected stream was never cancelled"
