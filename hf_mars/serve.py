@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .generation import check_threshold
+from .generation import DEFAULT_VERIFY_THRESHOLD, check_threshold
 
 MARS_BODY_FIELDS = ("mars_threshold",)  # extra top-level request fields (openai: extra_body={...})
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
@@ -350,8 +350,9 @@ class MARSBatchingManager:
             kwargs.update(mars=True, mars_threshold=tau, **self.mars_options)
             if self.lossless:
                 kwargs["mars_verify"] = True
-                if jobs[0].tau is None:
-                    kwargs.pop("mars_threshold")  # verify's own draft threshold
+                if jobs[0].tau is None:  # verify's own draft threshold
+                    kwargs.pop("mars_threshold")
+                    tau = DEFAULT_VERIFY_THRESHOLD
         else:
             kwargs["mars"] = False
         try:
@@ -382,11 +383,9 @@ class MARSBatchingManager:
         m.tokens_per_forward.set(total / max(fwd, 1))
         m.tokens_per_second.set(total / max(elapsed, 1e-9))
         m.batch_size.observe(len(jobs))
-        shown = tau if tau is not None else (kwargs.get("mars_threshold") or 0.0)
         if jobs[0].mars:
-            label = "verify" if self.lossless and jobs[0].tau is None else f"{tau:g}"
-            m.batches.labels(tau=label).inc()
-            m.tau.set(shown)
+            m.batches.labels(tau=f"verify {tau:g}" if self.lossless else f"{tau:g}").inc()
+            m.tau.set(tau)
 
 
 class _ImmediateLoop:

@@ -89,7 +89,8 @@ def test_waiting_requests_decode_together_lossless_equals_greedy(tiny):
         assert prompt_len == _ids(tok, prompt).shape[1]
     m = manager.metrics
     assert _sample(m, "hf_mars_batch_size_count") == 1 and _sample(m, "hf_mars_batch_size_sum") == 4
-    assert _sample(m, "hf_mars_batches_total", tau="verify") == 1
+    assert _sample(m, "hf_mars_batches_total", tau="verify 0.3") == 1  # verify's own draft threshold
+    assert _sample(m, "hf_mars_tau") == 0.3
     assert _sample(m, "hf_mars_tokens_per_forward") > 1.5  # drafts accepted: fewer forwards than tokens
     manager.stop()
 
