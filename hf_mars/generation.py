@@ -408,6 +408,7 @@ class _StepPlan:
     max_slots: int = 0
     logits_kept: int = 0  # logits kept from the end of the chunk: from candidate 0 (before drafts and masks) on
     uniform: bool = False  # every active row has the same drafts and masks: its slots are a plain slice
+    all_active: bool = False  # no row has finished or waits (no row masks needed)
     width: int = 0  # columns of the chunk (set when it is built)
     # batches, decode steps: the chunk and the slots, laid out on the host and copied with the counts
     src_t: torch.Tensor | None = None  # where each chunk column's token is in `seq` (pad / mask: constant columns)
@@ -577,7 +578,6 @@ class _MARSDecoder:
         self.q_drafts = None  # verify + sampling: distributions the pending drafts were drawn from
         self.forwards = torch.zeros(b, dtype=torch.long, device=self.device)
         self.compactions = 0
-        self.plan = None  # the current step's plan
         self.records = [] if (self.output_scores or self.output_logits) else None
         self.model_forward = model.__call__
         self.prompt_real_int = int(self.prompt_real[0]) if b == 1 else None
@@ -636,70 +636,79 @@ class _MARSDecoder:
         if self.fixed_width and not plan.first:
             plan.logits_kept = self.fixed_width
         plan.uniform = len({(plan.masks[r], plan.drafts[r]) for r in plan.rows}) == 1
-        if b > 1:  # every per-row value the step needs on the device, in one host->device copy
-            content = [plan.uncached[r] + plan.drafts[r] for r in range(b)]
-            flat = [v for row in (plan.lens, content, self.fed, self.unfinished, self.emitted, plan.slots,
-                                  plan.active, plan.drafts) for v in row]
-            W, S, P, kept = max(plan.lens), plan.max_slots, self.prompt_len, plan.logits_kept
-            # per slot: where its token goes in `seq`, whether the row may accept it, [verify with drafts:
-            # whether it holds a pending draft], [rows of different layouts: which logits column it reads]
-            forced = opts.verify and max(plan.drafts) > 0
-            slot_rows = 2 + forced + (not plan.uniform)
-            for r in range(b):
-                flat += range(P + self.emitted[r], P + self.emitted[r] + S)
-            for r in range(b):
-                flat += [1] * plan.slots[r] + [0] * (S - plan.slots[r])
-            if forced:
-                for r in range(b):
-                    flat += [1] * min(plan.drafts[r], S) + [0] * (S - min(plan.drafts[r], S))
-            if not plan.uniform:
-                for r in range(b):
-                    c0 = kept - (plan.masks[r] + plan.drafts[r] + 1) if plan.active[r] else 0
-                    flat += [min(c0 + s, kept - 1) for s in range(S)]
-            sizes = [8 * b, slot_rows * b * S]
-            # verify, rows of different layouts: the slots each row's new drafts are read from, and which exist
-            M = self.max_drafts
-            draft_rows = bool(opts.verify and not plan.uniform and M > 0 and S > max(plan.drafts) + 1)
-            if draft_rows:
-                for r in range(b):
-                    flat += [min(plan.drafts[r] + 1 + j, S - 1) for j in range(M)]
-                for r in range(b):
-                    flat += [int(plan.drafts[r] + 1 + j < S and min(plan.drafts[r] + 1 + j, S - 1) < plan.slots[r])
-                             for j in range(M)]
-                sizes.append(2 * b * M)
-            if not plan.first:  # the chunk, right-aligned: [pad | committed + drafts | masks]
-                pad_col, mask_col = self.buf_len, self.buf_len + 1
-                src, pos, real = [], [], []
-                for r in range(b):
-                    n, c, f, left = plan.lens[r], content[r], self.fed[r], W - plan.lens[r]
-                    src += [pad_col] * left + list(range(P + f, P + f + c)) + [mask_col] * (n - c)
-                    p0 = self.prompt_real_host[r] + f
-                    pos += [0] * left + list(range(p0, p0 + n))
-                    real += [0] * left + [1] * n
-                flat += src + pos + real
-                sizes.append(3 * b * W)
-            parts = self._to_device(flat).split(sizes)
-            (plan.lens_t, plan.content_len_t, plan.fed_t, plan.unfinished_t, plan.emitted_t, plan.slots_t,
-             active, plan.drafts_t) = parts[0].view(8, b).unbind(0)
-            plan.active_t = active.bool()
-            slot_parts = parts[1].view(slot_rows, b, S).unbind(0)
-            plan.slot_pos_t, plan.valid_t = slot_parts[0], slot_parts[1].bool()
-            plan.forced_t = slot_parts[2].bool() if forced else None
-            plan.slot_col_t = slot_parts[-1] if not plan.uniform else None
-            if draft_rows:
-                plan.draft_idx_t, in_range = parts[2].view(2, b, M).unbind(0)
-                plan.draft_ok_t = in_range.bool()
-            if not plan.first:
-                plan.src_t, plan.pos_t, plan.real_t = parts[-1].view(3, b, W).unbind(0)
+        plan.all_active = all(plan.active)
+        if b > 1:
+            self._lay_out_batch(plan)
         elif opts.verify:
             plan.drafts_t = self._to_device(plan.drafts)
         return plan
+
+    def _lay_out_batch(self, plan):
+        """Every per-row value a batched step needs on the device, laid out on the host and sent in one
+        host->device copy: the counts, the slots (where each candidate's token goes, which a row may accept,
+        pending drafts, ragged rows' logits columns and new-draft slots) and the chunk itself. Building these on
+        the device took a dozen small ops per piece, each a kernel launch on a GPU."""
+        b, opts = self.batch, self.opts
+        content = [plan.uncached[r] + plan.drafts[r] for r in range(b)]
+        flat = [v for row in (plan.lens, content, self.fed, self.unfinished, self.emitted, plan.slots,
+                              plan.active, plan.drafts) for v in row]
+        W, S, P, kept = max(plan.lens), plan.max_slots, self.prompt_len, plan.logits_kept
+        # per slot: where its token goes in `seq`, whether the row may accept it, [verify with drafts:
+        # whether it holds a pending draft], [rows of different layouts: which logits column it reads]
+        forced = opts.verify and max(plan.drafts) > 0
+        slot_rows = 2 + forced + (not plan.uniform)
+        for r in range(b):
+            flat += range(P + self.emitted[r], P + self.emitted[r] + S)
+        for r in range(b):
+            flat += [1] * plan.slots[r] + [0] * (S - plan.slots[r])
+        if forced:
+            for r in range(b):
+                flat += [1] * min(plan.drafts[r], S) + [0] * (S - min(plan.drafts[r], S))
+        if not plan.uniform:
+            for r in range(b):
+                c0 = kept - (plan.masks[r] + plan.drafts[r] + 1) if plan.active[r] else 0
+                flat += [min(c0 + s, kept - 1) for s in range(S)]
+        sizes = [8 * b, slot_rows * b * S]
+        # verify, rows of different layouts: the slots each row's new drafts are read from, and which exist
+        M = self.max_drafts
+        draft_rows = bool(opts.verify and not plan.uniform and M > 0 and S > max(plan.drafts) + 1)
+        if draft_rows:
+            for r in range(b):
+                flat += [min(plan.drafts[r] + 1 + j, S - 1) for j in range(M)]
+            for r in range(b):
+                flat += [int(plan.drafts[r] + 1 + j < S and min(plan.drafts[r] + 1 + j, S - 1) < plan.slots[r])
+                         for j in range(M)]
+            sizes.append(2 * b * M)
+        if not plan.first:  # the chunk, right-aligned: [pad | committed + drafts | masks]
+            pad_col, mask_col = self.buf_len, self.buf_len + 1
+            src, pos, real = [], [], []
+            for r in range(b):
+                n, c, f, left = plan.lens[r], content[r], self.fed[r], W - plan.lens[r]
+                src += [pad_col] * left + list(range(P + f, P + f + c)) + [mask_col] * (n - c)
+                p0 = self.prompt_real_host[r] + f
+                pos += [0] * left + list(range(p0, p0 + n))
+                real += [0] * left + [1] * n
+            flat += src + pos + real
+            sizes.append(3 * b * W)
+        parts = self._to_device(flat).split(sizes)
+        (plan.lens_t, plan.content_len_t, plan.fed_t, plan.unfinished_t, plan.emitted_t, plan.slots_t,
+         active, plan.drafts_t) = parts[0].view(8, b).unbind(0)
+        plan.active_t = active.bool()
+        slot_parts = parts[1].view(slot_rows, b, S).unbind(0)
+        plan.slot_pos_t, plan.valid_t = slot_parts[0], slot_parts[1].bool()
+        plan.forced_t = slot_parts[2].bool() if forced else None
+        plan.slot_col_t = slot_parts[-1] if not plan.uniform else None
+        if draft_rows:
+            plan.draft_idx_t, in_range = parts[2].view(2, b, M).unbind(0)
+            plan.draft_ok_t = in_range.bool()
+        if not plan.first:
+            plan.src_t, plan.pos_t, plan.real_t = parts[-1].view(3, b, W).unbind(0)
 
     def step(self) -> bool:
         """One forward and everything it decides; False once every row has finished. Reads top to bottom:
         plan the chunk, build it, forward, read the candidate slots, choose and accept (processors, stops),
         one host sync, crop the cache, commit."""
-        plan = self.plan = self._plan()
+        plan = self._plan()
         input_ids, position_ids, col_real = self._build_chunk(plan)
         logits = self._forward(plan, input_ids, position_ids, col_real)
         slot_logits, raw_logits, slot_pos, valid = self._candidate_slots(plan, logits)
@@ -787,7 +796,7 @@ class _MARSDecoder:
         if b == 1:
             n = self.emitted[0]
             return slot_logits, raw_logits, self.arange[P + n:P + n + S][None], None
-        if all(plan.active) and min(plan.slots) == S:  # every row may accept every slot
+        if plan.all_active and min(plan.slots) == S:  # every row may accept every slot
             return slot_logits, raw_logits, plan.slot_pos_t, None
         return slot_logits, raw_logits, plan.slot_pos_t, plan.valid_t
 
@@ -796,7 +805,7 @@ class _MARSDecoder:
 
         Returns (scores, accepted count, stopped or None, new drafts or None) as device tensors."""
         S, verify = plan.max_slots, self.opts.verify
-        active_t = None if self.batch == 1 or all(plan.active) else plan.active_t
+        active_t = None if self.batch == 1 or plan.all_active else plan.active_t
         forced = forced_mask = None
         if verify and max(plan.drafts) > 0:  # the pending drafts sit right after the committed tokens
             forced_mask = self.arange[:S][None, :] < plan.drafts_t[:, None] if self.batch == 1 else plan.forced_t
@@ -807,9 +816,10 @@ class _MARSDecoder:
         scores, chosen = self._process(slot_logits, S, plan.rows, active_t, forced, forced_mask, slot_pos,
                                        self.processors)
         if verify:
+            draft_slots = None if plan.draft_idx_t is None else (plan.draft_idx_t, plan.draft_ok_t)
             acc, new_drafts = self._accept_verify(scores, chosen, forced, forced_mask, valid, plan.drafts, slot_pos,
                                                   active_t, S, plan.drafts[plan.rows[0]] if plan.uniform else None,
-                                                  plan.drafts_t)
+                                                  plan.drafts_t, draft_slots)
             n = self.emitted[0]
             emitted = self.seq[:, self.prompt_len + n:self.prompt_len + n + S] if self.batch == 1 else \
                 self.seq.gather(1, slot_pos)
@@ -818,8 +828,10 @@ class _MARSDecoder:
         # stops, checked after every accepted token: EOS, then any other criteria
         stop = None
         if self.eos is not None:
-            at, never = self._eos_scan.get(S) or self._eos_scan.setdefault(
-                S, (self.arange[1:S + 1].clone(), torch.full((1,), S + 1, dtype=torch.long, device=self.device)))
+            if S not in self._eos_scan:
+                self._eos_scan[S] = (self.arange[1:S + 1].clone(),
+                                     torch.full((1,), S + 1, dtype=torch.long, device=self.device))
+            at, never = self._eos_scan[S]
             eos_at = torch.where(torch.isin(emitted, self.eos), at, never).amin(1)
             stop = eos_at <= acc
             acc = torch.minimum(acc, eos_at)
@@ -870,9 +882,9 @@ class _MARSDecoder:
                     kept = []
                     for r in range(b):
                         first = width - plan.lens[r]
-                        real_from = 0 if col_real is None else first
-                        end = first + plan.uncached[r] + accepted[r] - 1
-                        kept += [1 if real_from <= j < end else 0 for j in range(keep_cols)]
+                        lo = 0 if col_real is None else min(first, keep_cols)
+                        hi = max(lo, min(first + plan.uncached[r] + accepted[r] - 1, keep_cols))
+                        kept += [0] * lo + [1] * (hi - lo) + [0] * (keep_cols - hi)
                     kept = self._to_device(kept).view(b, keep_cols)
                 else:
                     kept = col_real[:, :keep_cols] if col_real is not None else torch.ones(
@@ -1015,7 +1027,7 @@ class _MARSDecoder:
         return acc if valid is None else acc * valid[:, 0]
 
     def _accept_verify(self, scores, chosen, forced, forced_mask, valid, d, slot_pos, active_t, S, d_uniform,
-                       d_t):
+                       d_t, draft_slots=None):
         """Accept the longest prefix of drafts AR agrees with, plus one AR token; propose new drafts.
 
         Greedy: a draft is accepted when it equals the AR argmax. Sampling: speculative-sampling acceptance
@@ -1056,14 +1068,15 @@ class _MARSDecoder:
         else:
             acc = self.one.expand(b) if active_t is None else active_t.long()
         # new drafts: the mask slots after the AR token, kept only where every pending draft was accepted
-        newd = self._propose_drafts(scores, chosen, probs, valid, d, S, d_uniform, d_t)
+        newd = self._propose_drafts(scores, chosen, probs, valid, d, S, d_uniform, d_t, draft_slots)
         if Dm > 0:
             newd = torch.where(k == d_t, newd, 0)
         return acc, newd
 
-    def _propose_drafts(self, scores, chosen, probs, valid, d, S, d_uniform, d_t=None):
+    def _propose_drafts(self, scores, chosen, probs, valid, d, S, d_uniform, d_t=None, draft_slots=None):
         """Drafts for the next step: the mask slots after each row's AR token, truncated at the first one whose
-        distribution is less confident than tau. With sampling, remembers the distributions they were drawn from."""
+        distribution is less confident than tau. With sampling, remembers the distributions they were drawn from.
+        ``draft_slots``: (slot index, exists) per row and draft, when `_plan` laid them out on the host."""
         b, dev = self.batch, self.device
         if not (self.max_drafts > 0 and S > max(d) + 1):
             return torch.zeros(b, dtype=torch.long, device=dev)
@@ -1074,8 +1087,8 @@ class _MARSDecoder:
             in_range = None if valid is None else valid[:, lo:lo + self.max_drafts]
             mtok = chosen[:, lo:lo + self.max_drafts]
         else:
-            if self.plan is not None and self.plan.draft_idx_t is not None and d is self.plan.drafts:
-                idx, in_range = self.plan.draft_idx_t, self.plan.draft_ok_t  # laid out on the host by _plan
+            if draft_slots is not None:
+                idx, in_range = draft_slots
             else:
                 d_t = self._to_device(d) if d_t is None else d_t
                 idx_raw = (d_t + 1)[:, None] + self.arange[:self.max_drafts][None]

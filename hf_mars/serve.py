@@ -103,8 +103,8 @@ class _Job:
     tau: float | None  # the request's own mars_threshold (overrides the ladder)
     mars: bool
     streamer: object = None  # transformers' DirectStreamer (streaming requests)
-    future: object = None  # asyncio future (non-streaming requests)
-    loop: object = None
+    future: object = None  # non-streaming requests: an asyncio future; plain calls: a concurrent.futures one
+    loop: object = None  # the asyncio future's event loop (None: resolve from this thread)
     call: tuple | None = None  # (fn, args, kwargs): a plain call to run on the model's thread
     arrived: float = field(default_factory=time.perf_counter)
 
@@ -117,7 +117,7 @@ class _Job:
             def done():
                 if not self.future.done():
                     self.future.set_exception(error) if error is not None else self.future.set_result(result)
-            self.loop.call_soon_threadsafe(done)
+            self.loop.call_soon_threadsafe(done) if self.loop is not None else done()
         elif self.streamer is not None:
             if error is not None:
                 from transformers.cli.serving.utils import _StreamError
@@ -225,16 +225,14 @@ class MARSBatchingManager:
     def submit(self, fn, *args, **kwargs):
         from concurrent.futures import Future
 
-        fut = Future()
-        job = _Job(None, None, key=f"call-{id(fut)}", tau=None, mars=False, call=(fn, args, kwargs))
-        job.future, job.loop = _SyncFuture(fut), _ImmediateLoop()
+        job = _Job(None, None, key="call", tau=None, mars=False, call=(fn, args, kwargs), future=Future())
         self._submit(job, check_queue=False)
-        return fut
+        return job.future
 
     def async_submit(self, fn, *args, **kwargs):
         loop = asyncio.get_running_loop()
-        job = _Job(None, None, key=f"call-{id(fn)}-{time.perf_counter_ns()}", tau=None, mars=False,
-                   call=(fn, args, kwargs), future=loop.create_future(), loop=loop)
+        job = _Job(None, None, key="call", tau=None, mars=False, call=(fn, args, kwargs), future=loop.create_future(),
+                   loop=loop)
         self._submit(job, check_queue=False)
         return job.future
 
@@ -386,27 +384,6 @@ class MARSBatchingManager:
         if jobs[0].mars:
             m.batches.labels(tau=f"verify {tau:g}" if self.lossless else f"{tau:g}").inc()
             m.tau.set(tau)
-
-
-class _ImmediateLoop:
-    def call_soon_threadsafe(self, fn, *args):
-        fn(*args)
-
-
-class _SyncFuture:
-    """A concurrent.futures.Future behind the asyncio-future methods `_Job.resolve` uses."""
-
-    def __init__(self, fut):
-        self.fut = fut
-
-    def done(self):
-        return self.fut.done()
-
-    def set_result(self, value):
-        self.fut.set_result(value)
-
-    def set_exception(self, error):
-        self.fut.set_exception(error)
 
 
 class _State:
