@@ -130,34 +130,38 @@ def build(args):
     return model, tok
 
 
-def run_one(model, inputs, kwargs, cprofile_n):
+def run_one(model, batches, kwargs, cprofile_n, repeats=5):
+    """Time `generate` over the prompt batches (median of `repeats` runs per batch; every step's gap counts),
+    then count ops and syncs over one more pass of every batch."""
     spans = []
     handles = _hooks(model, spans)
     try:
         for _ in range(2):  # warm-up
-            model.generate(**inputs, **kwargs)
-        walls, setups, teardowns, gaps, model_times = [], [], [], [], []
-        for _ in range(5):  # median of 5 (shared machine)
-            spans.clear()
-            t0 = time.perf_counter()
-            out = model.generate(**inputs, **kwargs)
-            t1 = time.perf_counter()
-            walls.append(t1 - t0)
-            setups.append(spans[0][0] - t0)
-            teardowns.append(t1 - spans[-1][1])
-            gaps.append([spans[i + 1][0] - spans[i][1] for i in range(len(spans) - 1)])
-            model_times.append(sum(e - s for s, e in spans))
-        k = sorted(range(5), key=lambda i: walls[i])[2]
-        wall, calls, model_time = walls[k], len(spans), model_times[k]
-        setup, teardown, step_gaps = setups[k], teardowns[k], gaps[k]
+            model.generate(**batches[0], **kwargs)
+        wall = model_time = setup = teardown = 0.0
+        calls, step_gaps = 0, []
+        for inputs in batches:
+            runs = []
+            for _ in range(repeats):  # the median run of each batch (shared machine)
+                spans.clear()
+                t0 = time.perf_counter()
+                out = model.generate(**inputs, **kwargs)
+                t1 = time.perf_counter()
+                runs.append((t1 - t0, spans[0][0] - t0, t1 - spans[-1][1], sum(e - s for s, e in spans), len(spans),
+                             [spans[i + 1][0] - spans[i][1] for i in range(len(spans) - 1)]))
+            w, su, td, mt, n, gaps = sorted(runs, key=lambda x: x[0])[repeats // 2]
+            wall, setup, teardown, model_time, calls = wall + w, setup + su, teardown + td, model_time + mt, calls + n
+            step_gaps += gaps
         ops, syncs = OpCounter(), SyncCounter()
         with ops, syncs:
-            model.generate(**inputs, **kwargs)
+            for inputs in batches:
+                model.generate(**inputs, **kwargs)
         prof_text = ""
         if cprofile_n:
             pr = cProfile.Profile()
             pr.enable()
-            model.generate(**inputs, **kwargs)
+            for inputs in batches:
+                model.generate(**inputs, **kwargs)
             pr.disable()
             s = io.StringIO()
             st = pstats.Stats(pr, stream=s)
@@ -166,10 +170,11 @@ def run_one(model, inputs, kwargs, cprofile_n):
     finally:
         for h in handles:
             h.remove()
+    nb = len(batches)
     new = out.sequences.shape[1] - inputs["input_ids"].shape[1] if hasattr(out, "sequences") else out.shape[1] - inputs["input_ids"].shape[1]
-    return {"wall": wall, "calls": calls, "model_time": model_time, "new_tokens": new, "setup": setup,
-            "teardown": teardown, "gap": statistics.median(step_gaps) if step_gaps else 0.0,
-            "gap_mean": statistics.mean(step_gaps) if step_gaps else 0.0,
+    return {"wall": wall, "calls": calls, "model_time": model_time, "new_tokens": new, "setup": setup / nb,
+            "teardown": teardown / nb, "gap": statistics.median(step_gaps) if step_gaps else 0.0,
+            "gap_mean": statistics.mean(step_gaps) if step_gaps else 0.0, "batches": nb,
             "ops": ops.ops, "op_lines": ops.op_lines, "syncs": ops.syncs + syncs.syncs, "sites": ops.sites + syncs.sites, "profile": prof_text,
             "out": out}
 
@@ -190,13 +195,27 @@ def main(argv=None):
     p.add_argument("--generate-kwargs", default="{}", help='extra generate arguments as JSON, e.g. \'{"repetition_penalty": 1.1}\'')
     p.add_argument("--op-lines", type=int, default=0, help="print the N source lines that dispatch the most ops")
     p.add_argument("--cprofile", type=int, default=0, help="print the top N functions (own time), model internals excluded")
+    p.add_argument("--num-prompts", type=int, default=0,
+                   help="decode the first N of the demo's held-out prompts (hf_mars.demo.bench.load_prompts) in "
+                        "batches of --batch-size; figures are over every step of every batch (default: one batch "
+                        "of four toy prompts)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per batch (the median one counts)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tok = build(args)
-    prompts = ["Copy: hello world", "What is 12+35?", "Reverse: abcdef", "Sort: dbca"] * 8
-    enc = tok.apply_chat_template([[{"role": "user", "content": q}] for q in prompts[: args.batch_size]],
-                                  add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True)
-    inputs = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+    if args.num_prompts:
+        from hf_mars.demo.bench import load_prompts
+
+        convs = [r["prompt"] for r in load_prompts(limit=args.num_prompts)]
+    else:
+        convs = [[{"role": "user", "content": q}]
+                 for q in ["Copy: hello world", "What is 12+35?", "Reverse: abcdef", "Sort: dbca"] * 8][: args.batch_size]
+    tok.padding_side = "left"
+    batches = []
+    for i in range(0, len(convs), args.batch_size):
+        enc = tok.apply_chat_template(convs[i:i + args.batch_size], add_generation_prompt=True, padding=True,
+                                      return_tensors="pt", return_dict=True)
+        batches.append({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
     base = dict(do_sample=False, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True,
                 **json.loads(args.generate_kwargs))
     mars = dict(base, mars=True, mars_threshold=args.tau, mars_block_size=args.block_size, mars_cache=args.cache,
@@ -206,11 +225,11 @@ def main(argv=None):
     print(f"model {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, batch {args.batch_size}, "
           f"max_new_tokens {args.max_new_tokens}, torch threads {torch.get_num_threads()}")
     for label, kw in (("plain generate", base), (f"MARS {mars}", mars)):
-        r = run_one(model, inputs, kw, args.cprofile)
+        r = run_one(model, batches, kw, args.cprofile, args.repeats)
         steps = max(r["calls"], 1)
         ovh = (r["wall"] - r["model_time"]) / steps * 1e3
         print(f"\n=== {label}")
-        print(f"wall {r['wall'] * 1e3:.1f} ms, {r['calls']} forwards, {r['new_tokens']} new positions/row, "
+        print(f"{r['batches']} batch(es): wall {r['wall'] * 1e3:.1f} ms, {r['calls']} forwards, last batch {r['new_tokens']} new positions/row, "
               f"model {r['model_time'] / steps * 1e3:.3f} ms/step, loop overhead {ovh:.3f} ms/step "
               f"({(r['wall'] - r['model_time']) / r['wall']:.0%} of wall)")
         print(f"  = setup before the first forward {r['setup'] * 1e3:.2f} ms + between forwards {r['gap'] * 1e3:.3f} ms/step "
