@@ -483,6 +483,7 @@ class _MARSDecoder:
             raise ValueError("MARS decoding needs a length limit: pass max_new_tokens or max_length.")
         self.max_new = int(max_length) - P
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device) if eos_ids else None
+        self.eos_ids = frozenset(eos_ids)
         self._eos_scan = {}  # slots S -> (1..S, S + 1): the EOS scan's constants, made once per width
         pad = generation_config.pad_token_id
         if pad is None and eos_ids:
@@ -576,7 +577,17 @@ class _MARSDecoder:
         self.pending = [0] * b  # verify: pending drafts (stored in `seq` right after the committed tokens)
         self.chunk_start = True
         self.q_drafts = None  # verify + sampling: distributions the pending drafts were drawn from
-        self.forwards = torch.zeros(b, dtype=torch.long, device=self.device)
+        self.forwards = [0] * b  # forward passes each row took part in
+        # Acceptance on the host: when no processor reads the history and nothing but EOS and the length limit
+        # stops a row (and verify does not sample), a step needs from the device only each slot's token and
+        # whether it clears tau. Those come to the host in the step's one sync; which run to accept, EOS, new
+        # drafts and the next chunk's tokens are decided there on short python lists instead of by a few dozen
+        # small device ops (each a kernel launch on a GPU). `seq` then holds the prompt only until the end.
+        self.host_accept = (not self.exact and len(self.other_criteria) == 0
+                            and all(isinstance(p, _HISTORY_FREE_PROCESSORS) for p in self.processors)
+                            and not (opts.verify and self.do_sample))
+        self.tokens = [[] for _ in range(b)]  # host acceptance: each row's emitted tokens
+        self.draft_tokens = [[] for _ in range(b)]  # ... and its pending drafts
         self.compactions = 0
         self.records = [] if (self.output_scores or self.output_logits) else None
         self.model_forward = model.__call__
@@ -639,39 +650,44 @@ class _MARSDecoder:
         plan.all_active = all(plan.active)
         if b > 1:
             self._lay_out_batch(plan)
-        elif opts.verify:
+        elif opts.verify and not self.host_accept:
             plan.drafts_t = self._to_device(plan.drafts)
         return plan
 
     def _lay_out_batch(self, plan):
         """Every per-row value a batched step needs on the device, laid out on the host and sent in one
-        host->device copy: the counts, the slots (where each candidate's token goes, which a row may accept,
-        pending drafts, ragged rows' logits columns and new-draft slots) and the chunk itself. Building these on
-        the device took a dozen small ops per piece, each a kernel launch on a GPU."""
-        b, opts = self.batch, self.opts
-        content = [plan.uncached[r] + plan.drafts[r] for r in range(b)]
-        flat = [v for row in (plan.lens, content, self.fed, self.unfinished, self.emitted, plan.slots,
-                              plan.active, plan.drafts) for v in row]
+        host->device copy: the chunk itself, ragged rows' logits columns and, when acceptance runs on the device,
+        the slots (where each candidate's token goes, which a row may accept, pending drafts, new-draft slots).
+        Building these on the device took a dozen small ops per piece, each a kernel launch on a GPU."""
+        b, opts, host = self.batch, self.opts, self.host_accept
         W, S, P, kept = max(plan.lens), plan.max_slots, self.prompt_len, plan.logits_kept
-        # per slot: where its token goes in `seq`, whether the row may accept it, [verify with drafts:
-        # whether it holds a pending draft], [rows of different layouts: which logits column it reads]
-        forced = opts.verify and max(plan.drafts) > 0
-        slot_rows = 2 + forced + (not plan.uniform)
-        for r in range(b):
-            flat += range(P + self.emitted[r], P + self.emitted[r] + S)
-        for r in range(b):
-            flat += [1] * plan.slots[r] + [0] * (S - plan.slots[r])
-        if forced:
+        flat, sizes = [], []
+        forced = draft_rows = False
+        slot_rows = 0 if plan.uniform else 1
+        if not host:
+            flat += plan.active + plan.drafts
+            sizes.append(2 * b)
+            # per slot: where its token goes in `seq`, whether the row may accept it, [verify with drafts: whether
+            # it holds a pending draft]
+            forced = opts.verify and max(plan.drafts) > 0
+            slot_rows += 2 + forced
             for r in range(b):
-                flat += [1] * min(plan.drafts[r], S) + [0] * (S - min(plan.drafts[r], S))
-        if not plan.uniform:
+                flat += range(P + self.emitted[r], P + self.emitted[r] + S)
+            for r in range(b):
+                flat += [1] * plan.slots[r] + [0] * (S - plan.slots[r])
+            if forced:
+                for r in range(b):
+                    flat += [1] * min(plan.drafts[r], S) + [0] * (S - min(plan.drafts[r], S))
+        if not plan.uniform:  # rows of different layouts: which logits column each slot reads
             for r in range(b):
                 c0 = kept - (plan.masks[r] + plan.drafts[r] + 1) if plan.active[r] else 0
                 flat += [min(c0 + s, kept - 1) for s in range(S)]
-        sizes = [8 * b, slot_rows * b * S]
-        # verify, rows of different layouts: the slots each row's new drafts are read from, and which exist
+        if slot_rows:
+            sizes.append(slot_rows * b * S)
+        # verify on the device, rows of different layouts: the slots each row's new drafts are read from, and
+        # which exist
         M = self.max_drafts
-        draft_rows = bool(opts.verify and not plan.uniform and M > 0 and S > max(plan.drafts) + 1)
+        draft_rows = bool(not host and opts.verify and not plan.uniform and M > 0 and S > max(plan.drafts) + 1)
         if draft_rows:
             for r in range(b):
                 flat += [min(plan.drafts[r] + 1 + j, S - 1) for j in range(M)]
@@ -680,52 +696,62 @@ class _MARSDecoder:
                          for j in range(M)]
             sizes.append(2 * b * M)
         if not plan.first:  # the chunk, right-aligned: [pad | committed + drafts | masks]
-            pad_col, mask_col = self.buf_len, self.buf_len + 1
+            pad, mask = (self.pad, opts.mask_token_id) if host else (self.buf_len, self.buf_len + 1)
             src, pos, real = [], [], []
             for r in range(b):
-                n, c, f, left = plan.lens[r], content[r], self.fed[r], W - plan.lens[r]
-                src += [pad_col] * left + list(range(P + f, P + f + c)) + [mask_col] * (n - c)
+                n, u, d, f, left = plan.lens[r], plan.uncached[r], plan.drafts[r], self.fed[r], W - plan.lens[r]
+                if host:  # the tokens themselves
+                    content = self.tokens[r][f:f + u] + self.draft_tokens[r][:d]
+                else:  # where they are in `seq` (pad and mask: its constant columns)
+                    content = range(P + f, P + f + u + d)
+                src += [pad] * left
+                src += content
+                src += [mask] * (n - u - d)
                 p0 = self.prompt_real_host[r] + f
-                pos += [0] * left + list(range(p0, p0 + n))
+                pos += [0] * left
+                pos += range(p0, p0 + n)
                 real += [0] * left + [1] * n
             flat += src + pos + real
             sizes.append(3 * b * W)
+        if not flat:
+            return
         parts = self._to_device(flat).split(sizes)
-        (plan.lens_t, plan.content_len_t, plan.fed_t, plan.unfinished_t, plan.emitted_t, plan.slots_t,
-         active, plan.drafts_t) = parts[0].view(8, b).unbind(0)
-        plan.active_t = active.bool()
-        slot_parts = parts[1].view(slot_rows, b, S).unbind(0)
-        plan.slot_pos_t, plan.valid_t = slot_parts[0], slot_parts[1].bool()
-        plan.forced_t = slot_parts[2].bool() if forced else None
-        plan.slot_col_t = slot_parts[-1] if not plan.uniform else None
+        i = 0
+        if not host:
+            active, plan.drafts_t = parts[0].view(2, b).unbind(0)
+            plan.active_t = active.bool()
+            i = 1
+        if slot_rows:
+            slot_parts = parts[i].view(slot_rows, b, S).unbind(0)
+            i += 1
+            if not host:
+                plan.slot_pos_t, plan.valid_t = slot_parts[0], slot_parts[1].bool()
+                plan.forced_t = slot_parts[2].bool() if forced else None
+            plan.slot_col_t = slot_parts[-1] if not plan.uniform else None
         if draft_rows:
-            plan.draft_idx_t, in_range = parts[2].view(2, b, M).unbind(0)
+            plan.draft_idx_t, in_range = parts[i].view(2, b, M).unbind(0)
             plan.draft_ok_t = in_range.bool()
+            i += 1
         if not plan.first:
-            plan.src_t, plan.pos_t, plan.real_t = parts[-1].view(3, b, W).unbind(0)
+            plan.src_t, plan.pos_t, plan.real_t = parts[i].view(3, b, W).unbind(0)
 
     def step(self) -> bool:
         """One forward and everything it decides; False once every row has finished. Reads top to bottom:
-        plan the chunk, build it, forward, read the candidate slots, choose and accept (processors, stops),
-        one host sync, crop the cache, commit."""
+        plan the chunk, build it, forward, read the candidate slots, choose and accept (processors, stops;
+        one host sync), crop the cache, commit."""
         plan = self._plan()
         input_ids, position_ids, col_real = self._build_chunk(plan)
         logits = self._forward(plan, input_ids, position_ids, col_real)
-        slot_logits, raw_logits, slot_pos, valid = self._candidate_slots(plan, logits)
-        scores, acc, stop, new_drafts = self._choose_and_accept(plan, slot_logits, slot_pos, valid)
+        slot_logits, raw_logits = self._candidate_slots(plan, logits)
+        accept = self._accept_on_host if self.host_accept else self._accept_on_device
+        scores, accepted, stopped, drafts_next, host_tokens = accept(plan, slot_logits)
         if self.records is not None:
-            self.records.append((scores if self.output_scores else None, raw_logits, list(self.emitted), acc))
-        # the one host sync of the step
-        parts = [acc] + ([stop.long()] if stop is not None else []) + ([new_drafts] if new_drafts is not None else [])
-        host = torch.cat(parts).tolist() if len(parts) > 1 else acc.tolist()
+            self.records.append((scores if self.output_scores else None, raw_logits, list(self.emitted), accepted))
         b = self.batch
-        accepted = [host[r] if plan.active[r] else 0 for r in range(b)]
-        stopped = host[b:2 * b] if stop is not None else [0] * b
-        drafts_next = host[-b:] if new_drafts is not None else None
         finished = [plan.active[r] and (bool(stopped[r]) or self.emitted[r] + accepted[r] >= self.max_new)
                     for r in range(b)]
-        keep_cols = self._crop_cache(plan, col_real, acc, accepted, finished)
-        self._commit(plan, keep_cols, accepted, drafts_next, finished)
+        keep_cols = self._crop_cache(plan, col_real, accepted, finished)
+        self._commit(plan, keep_cols, accepted, drafts_next, finished, host_tokens)
         if self.compactable and self.cache_attn is not None:
             self._compact_cache()
         return any(self.unfinished)
@@ -745,15 +771,19 @@ class _MARSDecoder:
                 [self.prompt_attn.bool(), torch.ones(b, masks, dtype=torch.bool, device=dev)], dim=1)
         elif b == 1:  # no padding ever: plain slices
             plan.width, fed = plan.lens[0], self.fed[0]
-            input_ids = self.seq[:, P + fed:P + fed + plan.uncached[0] + plan.drafts[0]]
-            if plan.masks[0]:
-                input_ids = torch.cat([input_ids, self.mask_col.expand(1, plan.masks[0])], dim=1)
+            if self.host_accept:
+                tokens = self.tokens[0][fed:fed + plan.uncached[0]] + self.draft_tokens[0][:plan.drafts[0]]
+                input_ids = self._to_device(tokens + [self.opts.mask_token_id] * plan.masks[0])[None]
+            else:
+                input_ids = self.seq[:, P + fed:P + fed + plan.uncached[0] + plan.drafts[0]]
+                if plan.masks[0]:
+                    input_ids = torch.cat([input_ids, self.mask_col.expand(1, plan.masks[0])], dim=1)
             offset = self.prompt_real_int + fed
             position_ids = self.arange[offset:offset + plan.width][None]
             col_real = None if self.cache_attn is None else torch.ones(1, plan.width, dtype=torch.bool, device=dev)
-        else:  # laid out on the host by _plan: one gather (pad and mask come from seq's constant columns)
+        else:  # laid out on the host by _plan: the tokens, or one gather (pad and mask: seq's constant columns)
             plan.width = max(plan.lens)
-            input_ids = self.seq.gather(1, plan.src_t)
+            input_ids = plan.src_t if self.host_accept else self.seq.gather(1, plan.src_t)
             position_ids, col_real = plan.pos_t, plan.real_t
             # pads only matter in rows still decoding; with none there and none in the cache, no mask at all
             if self.cache_attn is None and all(plan.lens[r] == plan.width for r in plan.rows):
@@ -775,15 +805,15 @@ class _MARSDecoder:
         forward = self.model_forward if plan.first else self.decode_forward
         out = forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       use_cache=True, return_dict=True, **kwargs)
-        self.forwards += 1 if self.batch == 1 else plan.unfinished_t
+        for r in range(self.batch):
+            self.forwards[r] += self.unfinished[r]
         return out.logits[:, -plan.logits_kept:]
 
     def _candidate_slots(self, plan, logits):
         """Slot s of row r reads the logits column before its drafts and masks, plus s.
 
-        Returns the float32 slot logits (mask token suppressed), the raw ones for output_logits, where each
-        slot's token lives in `seq`, and which slots a row may accept (None: all)."""
-        b, P, S, kept = self.batch, self.prompt_len, plan.max_slots, plan.logits_kept
+        Returns the float32 slot logits (mask token suppressed) and the raw ones for output_logits."""
+        S, kept = plan.max_slots, plan.logits_kept
         if plan.uniform:
             r0 = plan.rows[0]
             offset = kept - (plan.masks[r0] + plan.drafts[r0] + 1)
@@ -793,12 +823,91 @@ class _MARSDecoder:
         slot_logits = slot_logits.to(dtype=torch.float32, copy=True)
         raw_logits = slot_logits.clone() if self.output_logits else None  # output_logits: before any processing
         slot_logits.index_fill_(-1, self.suppress_t, -math.inf)  # the mask token is never emitted
+        return slot_logits, raw_logits
+
+    def _slot_positions(self, plan):
+        """Acceptance on the device: where each slot's token lives in `seq`, and which slots a row may accept
+        (None: all)."""
+        b, P, S = self.batch, self.prompt_len, plan.max_slots
         if b == 1:
             n = self.emitted[0]
-            return slot_logits, raw_logits, self.arange[P + n:P + n + S][None], None
+            return self.arange[P + n:P + n + S][None], None
         if plan.all_active and min(plan.slots) == S:  # every row may accept every slot
-            return slot_logits, raw_logits, plan.slot_pos_t, None
-        return slot_logits, raw_logits, plan.slot_pos_t, plan.valid_t
+            return plan.slot_pos_t, None
+        return plan.slot_pos_t, plan.valid_t
+
+    def _accept_on_host(self, plan, slot_logits):
+        """Choose every slot's token on the device, bring the tokens and whether each clears tau to the host (the
+        step's one sync), and decide there: threshold mode accepts candidate 0 and then slots while confident;
+        verify accepts the pending drafts the AR tokens agree with plus one AR token, and when all were accepted
+        proposes the confident mask slots after it as the next drafts. EOS cuts the run after it.
+
+        Returns (scores, accepted count, stopped, new draft count or None) per row, as python lists, and (the
+        accepted tokens, the new drafts) per row."""
+        b, S, opts = self.batch, plan.max_slots, self.opts
+        scores = self._history_free(self.processors, slot_logits)
+        chosen = self._choose(scores)
+        if self.one_token or S == 1:  # nothing beyond slot 0 can be accepted
+            host, ok = chosen.view(-1).tolist(), None
+        else:
+            confident = self._confidence(scores, chosen, of_distribution=not self.do_sample) >= opts.tau
+            host = torch.cat([chosen.view(-1), confident.view(-1)]).tolist()
+            ok = host[b * S:]
+        accepted, stopped = [0] * b, [False] * b
+        new_tokens, new_drafts = [[] for _ in range(b)], [[] for _ in range(b)]
+        for r in plan.rows:
+            o, n = r * S, plan.slots[r]
+            row = host[o:o + S]
+            if opts.verify:
+                d, pending = plan.drafts[r], self.draft_tokens[r]
+                k = 0
+                while k < d and row[k] == pending[k]:
+                    k += 1
+                tokens = pending[:k] + [row[k]]
+                if k == d and ok is not None:
+                    j = d + 1
+                    while j < n and ok[o + j]:
+                        j += 1
+                    new_drafts[r] = row[d + 1:j]
+            else:
+                a = 1
+                if ok is not None:
+                    while a < n and ok[o + a]:
+                        a += 1
+                tokens = row[:a]
+            for i, t in enumerate(tokens):
+                if t in self.eos_ids:
+                    del tokens[i + 1:]
+                    stopped[r] = True
+                    break
+            new_tokens[r], accepted[r] = tokens, len(tokens)
+        if self.lockstep:  # rows that go on accept the fewest tokens any of them accepted (see `_lockstep`)
+            going = [r for r in plan.rows if not stopped[r]]
+            if going:
+                m = min(accepted[r] for r in going)
+                c = min(len(new_drafts[r]) if m == plan.drafts[r] + 1 else 0 for r in going)
+                for r in going:
+                    del new_tokens[r][m:]
+                    del new_drafts[r][c:]
+                    accepted[r] = m
+        drafts_next = [len(x) for x in new_drafts] if opts.verify else None
+        return scores, accepted, stopped, drafts_next, (new_tokens, new_drafts)
+
+    def _accept_on_device(self, plan, slot_logits):
+        """Acceptance with history-reading processors, stopping criteria or verify sampling: decided on the device
+        (the chosen tokens are written into `seq`, where processors and criteria read them), then the counts
+        come to the host in the step's one sync.
+
+        Returns (scores, accepted count, stopped, new draft count or None) per row, as python lists."""
+        slot_pos, valid = self._slot_positions(plan)
+        scores, acc, stop, new_drafts = self._choose_and_accept(plan, slot_logits, slot_pos, valid)
+        parts = [acc] + ([stop.long()] if stop is not None else []) + ([new_drafts] if new_drafts is not None else [])
+        host = torch.cat(parts).tolist() if len(parts) > 1 else acc.tolist()
+        b = self.batch
+        accepted = [host[r] if plan.active[r] else 0 for r in range(b)]
+        stopped = host[b:2 * b] if stop is not None else [0] * b
+        drafts_next = host[-b:] if new_drafts is not None else None
+        return scores, accepted, stopped, drafts_next, None
 
     def _choose_and_accept(self, plan, slot_logits, slot_pos, valid):
         """Process the candidates, choose their tokens, accept a run of them and apply the stops.
@@ -854,7 +963,7 @@ class _MARSDecoder:
             new_drafts = torch.where(going, torch.where(going, new_drafts, never).amin(), 0)
         return acc, new_drafts
 
-    def _crop_cache(self, plan, col_real, acc, accepted, finished) -> int:
+    def _crop_cache(self, plan, col_real, accepted, finished) -> int:
         """Drop the masks' (and rejected drafts') cache entries; returns how many columns of the chunk stay.
 
         Block cache inside a chunk: everything fed is dropped (back to the frozen prefix). Verify: rejected
@@ -916,12 +1025,15 @@ class _MARSDecoder:
         self.cache_len -= waste
         self.compactions += 1
 
-    def _commit(self, plan, keep_cols, accepted, drafts_next, finished):
+    def _commit(self, plan, keep_cols, accepted, drafts_next, finished, host_tokens=None):
         """Advance the per-row state on the host; finished rows read as pads from here on (like AR's)."""
         b, verify = self.batch, self.opts.verify
         runs = []
         for r in range(b):
             a = accepted[r]
+            if host_tokens is not None:
+                self.tokens[r] += host_tokens[0][r]
+                self.draft_tokens[r] = [] if finished[r] else host_tokens[1][r]
             if keep_cols and self.unfinished[r]:
                 if plan.first:
                     self.fed[r] = 0
@@ -937,7 +1049,7 @@ class _MARSDecoder:
                 self.pending[r] = 0 if finished[r] else drafts_next[r]
             if finished[r]:
                 self.unfinished[r] = False
-        if any(finished):
+        if any(finished) and host_tokens is None:  # (host acceptance never writes past a row's end)
             fin_t = self._to_device(finished, torch.bool)
             emitted_t = self._to_device(self.emitted)
             tail = self.arange[:self.buf_len][None, :] >= (self.prompt_len + emitted_t)[:, None]
@@ -956,6 +1068,14 @@ class _MARSDecoder:
             return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).view(scores.shape[:-1])
         return scores.argmax(-1)
 
+    def _history_free(self, chain, slot_logits):
+        """A chain that ignores input_ids, applied to every slot in one call."""
+        if len(chain) == 0:
+            return slot_logits
+        b, S, V = slot_logits.shape
+        dummy = self.seq[:, :1].repeat_interleave(S, dim=0)
+        return chain(dummy, slot_logits.reshape(-1, V)).view(b, S, V)
+
     def _process(self, slot_logits, S, rows, active_t, forced, forced_mask, slot_pos, chain):
         """Run the logits-processor chain on every slot and pick a token for it.
 
@@ -965,11 +1085,7 @@ class _MARSDecoder:
         """
         b, P = self.batch, self.prompt_len
         if all(isinstance(p, _HISTORY_FREE_PROCESSORS) for p in chain):
-            scores = slot_logits
-            if len(chain) > 0:
-                V = slot_logits.shape[-1]
-                dummy = self.seq[:, :1].repeat_interleave(S, dim=0)  # these processors ignore input_ids
-                scores = chain(dummy, slot_logits.reshape(-1, V)).view(b, S, V)
+            scores = self._history_free(chain, slot_logits)
             chosen = self._choose(scores)
             ext = chosen if forced_mask is None else torch.where(forced_mask, forced, chosen)
             if active_t is not None:
@@ -1238,22 +1354,26 @@ class _MARSDecoder:
         return torch.where(stop, stop_at, acc), stop
 
     def _stream(self, runs):
+        """The tokens each row emitted this step, to the streamer (CPU tensors, as generate hands them)."""
+        P = self.prompt_len
+        if self.host_accept:
+            new = [torch.tensor(self.tokens[r][start:start + a], dtype=torch.long) for r, (start, a) in enumerate(runs)]
+        else:
+            cpu = self.seq[:, P:P + max(start + a for start, a in runs)].cpu()
+            new = [cpu[r, start:start + a] for r, (start, a) in enumerate(runs)]
         if self.batch == 1:
-            start, a = runs[0]
-            if a:
-                self.streamer.put(self.seq[0, self.prompt_len + start:self.prompt_len + start + a].cpu())
+            if runs[0][1]:
+                self.streamer.put(new[0])
             return
         width = max(a for _, a in runs)
         if width == 0:
             return
-        cpu = self.seq.cpu()
         if hasattr(self.streamer, "put_rows"):  # a batch-aware streamer gets each row's own new tokens (maybe none)
-            self.streamer.put_rows([cpu[r, self.prompt_len + start:self.prompt_len + start + a]
-                                    for r, (start, a) in enumerate(runs)])
+            self.streamer.put_rows(new)
             return
         block = torch.full((self.batch, width), self.pad, dtype=torch.long)
-        for r, (start, a) in enumerate(runs):
-            block[r, :a] = cpu[r, self.prompt_len + start:self.prompt_len + start + a]
+        for r, row in enumerate(new):
+            block[r, :row.shape[0]] = row
         self.streamer.put(block)
 
     # ---------------------------------------------------------------- results
@@ -1276,7 +1396,11 @@ class _MARSDecoder:
                         continue
                 if not self.step() and not synced:
                     break
-        return self.seq[:, :self.prompt_len + max(self.emitted)]
+        T = max(self.emitted)
+        if self.host_accept and T:  # the emitted tokens into `seq`, pad-filled after each row's end
+            self.seq[:, self.prompt_len:self.prompt_len + T] = self._to_device(
+                [row + [self.pad] * (T - len(row)) for row in self.tokens])
+        return self.seq[:, :self.prompt_len + T]
 
     def assemble(self, which):
         """One (b, V) tensor per emitted position, from the per-step records."""
@@ -1292,7 +1416,7 @@ class _MARSDecoder:
             if tensor is None:
                 return None
             V = tensor.shape[-1]
-            a_l = rec[3].tolist()
+            a_l = rec[3]
             for r in range(self.batch):
                 if a_l[r] > 0:
                     per_row[r].append(tensor[r, :a_l[r]])
@@ -1404,7 +1528,7 @@ def mars_generate(
     stats_path = os.environ.get("HF_MARS_STATS")
     if stats_path:  # per-call statistics for a serving stack that cannot read the output object
         with open(stats_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"emitted_tokens": decoder.emitted, "forward_passes": decoder.forwards.tolist(),
+            f.write(json.dumps({"emitted_tokens": decoder.emitted, "forward_passes": decoder.forwards,
                                 "threshold": opts.tau, "verify": opts.verify}) + "\n")
     if not generation_config.return_dict_in_generate:
         return sequences
@@ -1415,7 +1539,7 @@ def mars_generate(
         sequences=sequences,
         scores=decoder.assemble(0) if decoder.output_scores else None,
         logits=decoder.assemble(1) if decoder.output_logits else None,
-        mars_forward_passes=decoder.forwards.clone(),
+        mars_forward_passes=torch.tensor(decoder.forwards, dtype=torch.long, device=decoder.device),
         mars_emitted_tokens=torch.tensor(decoder.emitted, dtype=torch.long, device=decoder.device),
         **{("cache" if "cache" in fields else "past_key_values"): clean_cache},
     )

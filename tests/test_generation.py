@@ -758,8 +758,9 @@ def test_batched_cache_is_compacted_and_output_unchanged(peaky, monkeypatch):
 
 @pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["batch1", "batch4"])
 @pytest.mark.parametrize("kw", [dict(mars_threshold=0.5), dict(mars_verify=True, mars_threshold=0.0),
-                                dict(mars_threshold=0.5, mars_cache="block", mars_cache_block=8)],
-                         ids=["threshold", "verify", "block"])
+                                dict(mars_threshold=0.5, mars_cache="block", mars_cache_block=8),
+                                dict(mars_verify=True, mars_threshold=0.0, repetition_penalty=1.3)],
+                         ids=["threshold", "verify", "block", "verify-device"])
 def test_one_host_sync_per_step(peaky, monkeypatch, prompts, kw):
     """The loop reads device values on the host once per step (per-row metadata goes host -> device without a
     sync). Counted on the CPU: every .item() / .tolist() / .cpu() / bool() / int() / float() the decoding module
@@ -775,12 +776,20 @@ def test_one_host_sync_per_step(peaky, monkeypatch, prompts, kw):
         def counted(self, *a, _original=original, **k):
             frame = sys._getframe(1)
             if frame.f_code.co_filename == gen.__file__:
-                counts["step" if frame.f_code.co_name == "step" else "setup"] += 1
+                counts["step" if steps and steps[-1] else "setup"] += 1
             return _original(self, *a, **k)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
     real_step = gen._MARSDecoder.step
-    monkeypatch.setattr(gen._MARSDecoder, "step", lambda self: steps.append(1) or real_step(self))
+
+    def step(self):  # any sync the module makes while a step runs counts against it
+        steps.append(True)
+        try:
+            return real_step(self)
+        finally:
+            steps[-1] = False
+
+    monkeypatch.setattr(gen._MARSDecoder, "step", step)
     enc = tok(prompts, return_tensors="pt", padding=True)
     _greedy(model, enc, max_new_tokens=32, eos_token_id=[], **kw)
     assert counts["step"] == len(steps) and len(steps) > 5
