@@ -130,53 +130,65 @@ def build(args):
     return model, tok
 
 
-def run_one(model, batches, kwargs, cprofile_n, repeats=5):
-    """Time `generate` over the prompt batches (median of `repeats` runs per batch; every step's gap counts),
-    then count ops and syncs over one more pass of every batch."""
+def run_all(model, batches, configs, cprofile_n, repeats=5):
+    """Time `generate` for every configuration over the prompt batches, interleaved (each batch, each repeat:
+    every configuration in turn, so drift on a shared machine hits all alike); the median run of each batch
+    counts, with every step's gap. Then count ops and syncs over one more pass of every batch."""
     spans = []
     handles = _hooks(model, spans)
+    results = []
     try:
-        for _ in range(2):  # warm-up
-            model.generate(**batches[0], **kwargs)
-        wall = model_time = setup = teardown = 0.0
-        calls, step_gaps = 0, []
+        for kwargs in configs:
+            for _ in range(2):  # warm-up
+                model.generate(**batches[0], **kwargs)
+        acc = [dict(wall=0.0, model_time=0.0, setup=0.0, teardown=0.0, calls=0, gaps=[]) for _ in configs]
         for inputs in batches:
-            runs = []
-            for _ in range(repeats):  # the median run of each batch (shared machine)
-                spans.clear()
-                t0 = time.perf_counter()
-                out = model.generate(**inputs, **kwargs)
-                t1 = time.perf_counter()
-                runs.append((t1 - t0, spans[0][0] - t0, t1 - spans[-1][1], sum(e - s for s, e in spans), len(spans),
-                             [spans[i + 1][0] - spans[i][1] for i in range(len(spans) - 1)]))
-            w, su, td, mt, n, gaps = sorted(runs, key=lambda x: x[0])[repeats // 2]
-            wall, setup, teardown, model_time, calls = wall + w, setup + su, teardown + td, model_time + mt, calls + n
-            step_gaps += gaps
-        ops, syncs = OpCounter(), SyncCounter()
-        with ops, syncs:
-            for inputs in batches:
-                model.generate(**inputs, **kwargs)
-        prof_text = ""
-        if cprofile_n:
-            pr = cProfile.Profile()
-            pr.enable()
-            for inputs in batches:
-                model.generate(**inputs, **kwargs)
-            pr.disable()
-            s = io.StringIO()
-            st = pstats.Stats(pr, stream=s)
-            st.sort_stats("tottime").print_stats(r"^(?!.*(modeling_|torch/nn/|sdpa_attention|masking_utils|cache_utils|rope|integrations)).*$", cprofile_n)
-            prof_text = s.getvalue()
+            runs = [[] for _ in configs]
+            for _ in range(repeats):
+                for c, kwargs in enumerate(configs):
+                    spans.clear()
+                    t0 = time.perf_counter()
+                    out = model.generate(**inputs, **kwargs)
+                    t1 = time.perf_counter()
+                    runs[c].append((t1 - t0, spans[0][0] - t0, t1 - spans[-1][1], sum(e - s for s, e in spans),
+                                    len(spans), [spans[i + 1][0] - spans[i][1] for i in range(len(spans) - 1)]))
+            for c in range(len(configs)):
+                w, su, td, mt, n, gaps = sorted(runs[c], key=lambda x: x[0])[repeats // 2]
+                a = acc[c]
+                a["wall"] += w
+                a["setup"] += su
+                a["teardown"] += td
+                a["model_time"] += mt
+                a["calls"] += n
+                a["gaps"] += gaps
+        for c, kwargs in enumerate(configs):
+            ops, syncs = OpCounter(), SyncCounter()
+            with ops, syncs:
+                for inputs in batches:
+                    out = model.generate(**inputs, **kwargs)
+            prof_text = ""
+            if cprofile_n:
+                pr = cProfile.Profile()
+                pr.enable()
+                for inputs in batches:
+                    model.generate(**inputs, **kwargs)
+                pr.disable()
+                s = io.StringIO()
+                st = pstats.Stats(pr, stream=s)
+                st.sort_stats("tottime").print_stats(r"^(?!.*(modeling_|torch/nn/|sdpa_attention|masking_utils|cache_utils|rope|integrations)).*$", cprofile_n)
+                prof_text = s.getvalue()
+            a, nb = acc[c], len(batches)
+            new = (out.sequences if hasattr(out, "sequences") else out).shape[1] - inputs["input_ids"].shape[1]
+            results.append({"wall": a["wall"], "calls": a["calls"], "model_time": a["model_time"], "new_tokens": new,
+                            "setup": a["setup"] / nb, "teardown": a["teardown"] / nb,
+                            "gap": statistics.median(a["gaps"]) if a["gaps"] else 0.0,
+                            "gap_mean": statistics.mean(a["gaps"]) if a["gaps"] else 0.0, "batches": nb,
+                            "ops": ops.ops, "op_lines": ops.op_lines, "syncs": ops.syncs + syncs.syncs,
+                            "sites": ops.sites + syncs.sites, "profile": prof_text, "out": out})
     finally:
         for h in handles:
             h.remove()
-    nb = len(batches)
-    new = out.sequences.shape[1] - inputs["input_ids"].shape[1] if hasattr(out, "sequences") else out.shape[1] - inputs["input_ids"].shape[1]
-    return {"wall": wall, "calls": calls, "model_time": model_time, "new_tokens": new, "setup": setup / nb,
-            "teardown": teardown / nb, "gap": statistics.median(step_gaps) if step_gaps else 0.0,
-            "gap_mean": statistics.mean(step_gaps) if step_gaps else 0.0, "batches": nb,
-            "ops": ops.ops, "op_lines": ops.op_lines, "syncs": ops.syncs + syncs.syncs, "sites": ops.sites + syncs.sites, "profile": prof_text,
-            "out": out}
+    return results
 
 
 def main(argv=None):
@@ -224,8 +236,8 @@ def main(argv=None):
         mars["mars_cache_block"] = args.cache_block
     print(f"model {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, batch {args.batch_size}, "
           f"max_new_tokens {args.max_new_tokens}, torch threads {torch.get_num_threads()}")
-    for label, kw in (("plain generate", base), (f"MARS {mars}", mars)):
-        r = run_one(model, batches, kw, args.cprofile, args.repeats)
+    results = run_all(model, batches, [base, mars], args.cprofile, args.repeats)
+    for label, r in zip(("plain generate", f"MARS {mars}"), results):
         steps = max(r["calls"], 1)
         ovh = (r["wall"] - r["model_time"]) / steps * 1e3
         print(f"\n=== {label}")
