@@ -33,6 +33,7 @@ counts cache columns, so no masked column may sit inside it).
 
 from __future__ import annotations
 
+import array
 import copy
 import dataclasses
 import functools
@@ -441,6 +442,7 @@ class _MARSDecoder:
         self.gc = generation_config
         self.streamer = streamer
         self.device = input_ids.device
+        self.on_cuda, self.on_cpu = self.device.type == "cuda", self.device.type == "cpu"
         b, P = input_ids.shape
         self.batch, self.prompt_len = b, P
 
@@ -603,11 +605,15 @@ class _MARSDecoder:
 
     # ---------------------------------------------------------------- one step
     def _to_device(self, values, dtype=torch.long):
-        """Per-row host values as a device tensor without a synchronising copy (pinned memory, non-blocking on GPU)."""
-        t = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cuda":
+        """Per-row host values as a device tensor without a synchronising copy (pinned memory, non-blocking on GPU).
+        A flat list of ints goes through an int64 array (torch.tensor reads a list element by element: 3x slower)."""
+        if dtype is torch.long and values and not isinstance(values[0], list):
+            t = torch.frombuffer(array.array("q", values), dtype=torch.long)
+        else:
+            t = torch.tensor(values, dtype=dtype)
+        if self.on_cuda:
             return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
+        return t if self.on_cpu else t.to(self.device)
 
     def _plan(self) -> _StepPlan:
         """Per-row counts for this step (python lists; cheap for any realistic batch)."""
