@@ -794,3 +794,59 @@ def test_one_host_sync_per_step(peaky, monkeypatch, prompts, kw):
     _greedy(model, enc, max_new_tokens=32, eos_token_id=[], **kw)
     assert counts["step"] == len(steps) and len(steps) > 5
     assert counts["setup"] <= 6  # once per generate call (prompt lengths, options), not per step
+
+
+@pytest.mark.parametrize("kw", [
+    dict(mars_threshold=0.5),
+    dict(mars_threshold=0.0, mars_use_last_mask=True, mars_max_accept=3),
+    dict(mars_verify=True, mars_threshold=0.0),
+    dict(mars_verify=True, mars_threshold=0.6, mars_block_size=6),
+    dict(mars_threshold=0.5, mars_cache="block", mars_cache_block=8),
+    dict(mars_threshold=0.3, cache_implementation="static"),
+    dict(mars_verify=True, mars_threshold=0.3, cache_implementation="static"),
+    dict(mars_threshold=0.5, mars_acceptance="margin", output_scores=True, output_logits=True),
+    dict(mars_threshold=0.5, do_sample=True, temperature=0.7, top_k=5),
+], ids=["threshold", "last-mask-capped", "verify", "verify-B6", "block", "static", "static-verify", "margin-scores",
+        "sampling"])
+@pytest.mark.parametrize("which", ["peaky", "aligned"])
+def test_host_acceptance_equals_device_acceptance(peaky, monkeypatch, kw, which):
+    """Steps whose acceptance can be decided on the host (no history-reading processor, no criteria beyond EOS and
+    length) are decided there; the device path decides the rest. Both must make the same decisions: same tokens,
+    forwards, scores, on a ragged left-padded batch with EOS (a token of the first prompt's greedy output) inside
+    it. Two models: drafts mostly rejected (peaky) and mostly right, truncated by tau per row (aligned)."""
+    model, tok = peaky
+    if which == "aligned":
+        from test_stateful_clients import position_only_model
+
+        model = position_only_model(tok)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    # EOS: the token of the plain greedy outputs that appears latest (rows stop at it, after multi-token steps)
+    greedy = model.generate(**enc, do_sample=False, max_new_tokens=30, eos_token_id=[], pad_token_id=0)
+    rows = greedy[:, enc.input_ids.shape[1]:].tolist()
+    eos = [max({t for row in rows for t in row}, key=lambda t: min(row.index(t) if t in row else 99 for row in rows))]
+    args = dict(kw, mars=True, eos_token_id=eos, pad_token_id=0, max_new_tokens=40, return_dict_in_generate=True)
+    args.setdefault("do_sample", False)
+    seen = []
+    real_init = gen._MARSDecoder.__init__
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        seen.append(self.host_accept)
+        self.host_accept = self.host_accept and not on_device
+
+    monkeypatch.setattr(gen._MARSDecoder, "__init__", init)
+    outs = []
+    for on_device in (False, True):
+        torch.manual_seed(0)
+        outs.append(model.generate(**enc, **args))
+    assert seen == [True, True]  # (the second run was forced onto the device path)
+    host, device = outs
+    assert host.sequences.tolist() == device.sequences.tolist()
+    assert host.mars_forward_passes.tolist() == device.mars_forward_passes.tolist()
+    assert host.mars_emitted_tokens.tolist() == device.mars_emitted_tokens.tolist()
+    if which == "aligned" or not kw.get("mars_verify"):  # multi-token steps happened
+        assert (host.mars_forward_passes < host.mars_emitted_tokens).any()
+    for field in ("scores", "logits"):
+        if kw.get(f"output_{field}"):
+            for a, b in zip(getattr(host, field), getattr(device, field), strict=True):
+                torch.testing.assert_close(a, b)
