@@ -21,7 +21,9 @@ The method in one screen is `reference_decode` below (docs/method.md of the hf-m
 words). One step of the fast loop, `_MARSDecoder.step`, reads top to bottom: plan the step (per-row counts),
 build the chunk (each row's uncached committed tokens, pending drafts, mask tokens), one forward over the KV
 cache, read the candidate slots, choose and accept (logits processors, confidence >= tau or draft verification,
-stops), one host sync, crop the masks out of the cache, commit.
+stops; one host sync), crop the masks out of the cache, commit. Acceptance runs on the host (`_accept_on_host`:
+each slot's token and whether it clears tau come over, the rest is list work) unless a processor reads the
+history, a criterion beyond EOS / length stops rows, or verify samples (`_accept_on_device`).
 
 Batched rows accept different counts: each step every row's uncached tokens sit right-aligned in the chunk
 (left-padded; pads stay masked in the 2D attention mask), position ids follow each row's real-token count, so
@@ -411,25 +413,19 @@ class _StepPlan:
     uniform: bool = False  # every active row has the same drafts and masks: its slots are a plain slice
     all_active: bool = False  # no row has finished or waits (no row masks needed)
     width: int = 0  # columns of the chunk (set when it is built)
-    # batches, decode steps: the chunk and the slots, laid out on the host and copied with the counts
-    src_t: torch.Tensor | None = None  # where each chunk column's token is in `seq` (pad / mask: constant columns)
+    # batches, decode steps: laid out on the host and sent in one copy (see `_lay_out_batch`)
+    src_t: torch.Tensor | None = None  # the chunk's tokens (host acceptance) or where each is in `seq`
     pos_t: torch.Tensor | None = None  # position ids of the chunk
     real_t: torch.Tensor | None = None  # 1 where a chunk column is real, 0 where it is left padding
+    slot_col_t: torch.Tensor | None = None  # rows of different layouts: the logits column each slot reads
+    # ... and for acceptance on the device
+    active_t: torch.Tensor | None = None
+    drafts_t: torch.Tensor | None = None  # verify mode: the pending drafts per row
     slot_pos_t: torch.Tensor | None = None  # where each candidate slot's token goes in `seq`
     valid_t: torch.Tensor | None = None  # which slots a row may accept
     forced_t: torch.Tensor | None = None  # verify: which slots hold a pending draft
-    slot_col_t: torch.Tensor | None = None  # rows of different layouts: the logits column each slot reads
     draft_idx_t: torch.Tensor | None = None  # verify, rows of different layouts: the slots new drafts come from
     draft_ok_t: torch.Tensor | None = None  # ... and which of them exist (within the slots the row may accept)
-    # batches: the per-row counts above, on the device
-    lens_t: torch.Tensor | None = None
-    content_len_t: torch.Tensor | None = None
-    fed_t: torch.Tensor | None = None
-    unfinished_t: torch.Tensor | None = None
-    emitted_t: torch.Tensor | None = None
-    slots_t: torch.Tensor | None = None
-    active_t: torch.Tensor | None = None
-    drafts_t: torch.Tensor | None = None  # verify mode: the pending drafts per row
 
 
 class _MARSDecoder:
@@ -576,7 +572,7 @@ class _MARSDecoder:
         self.fed = [-P] * b  # generated index of the first token not in the cache (-P: prompt not fed yet)
         self.unfinished = [True] * b
         self.in_chunk = [0] * b  # block cache: tokens accepted in the current chunk
-        self.pending = [0] * b  # verify: pending drafts (stored in `seq` right after the committed tokens)
+        self.pending = [0] * b  # verify: pending drafts (in `seq` right after the committed tokens, or draft_tokens)
         self.chunk_start = True
         self.q_drafts = None  # verify + sampling: distributions the pending drafts were drawn from
         self.forwards = [0] * b  # forward passes each row took part in
