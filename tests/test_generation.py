@@ -814,6 +814,8 @@ def test_host_acceptance_equals_device_acceptance(peaky, monkeypatch, kw, which)
     length) are decided there; the device path decides the rest. Both must make the same decisions: same tokens,
     forwards, scores, on a ragged left-padded batch with EOS (a token of the first prompt's greedy output) inside
     it. Two models: drafts mostly rejected (peaky) and mostly right, truncated by tau per row (aligned)."""
+    if kw.get("cache_implementation") == "static" and not gen.STATIC_CACHE_SUPPORTED:
+        pytest.skip("static cache layers roll back from transformers 5.24 on")
     model, tok = peaky
     if which == "aligned":
         from test_stateful_clients import position_only_model
