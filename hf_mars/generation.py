@@ -1078,12 +1078,13 @@ class _MARSDecoder:
         dummy = self.seq[:, :1].repeat_interleave(S, dim=0)
         return chain(dummy, slot_logits.reshape(-1, V)).view(b, S, V)
 
-    def _process(self, slot_logits, S, rows, active_t, forced, forced_mask, slot_pos, chain):
+    def _process(self, slot_logits, S, rows, active_t, forced, forced_mask, slot_pos, chain, stop_at_ends=False):
         """Run the logits-processor chain on every slot and pick a token for it.
 
         Slot s of row r is processed with input_ids = the row's history extended by the tokens of slots
         0..s-1 (drafts where forced, chosen tokens otherwise): exactly what AR decoding would pass. The
-        tokens are written into `seq` at their positions (inactive rows keep pads there).
+        tokens are written into `seq` at their positions (inactive rows keep pads there). ``stop_at_ends``
+        (a chain holding stateful objects): no history goes on past a row's EOS, as in AR decoding.
         """
         b, P = self.batch, self.prompt_len
         if all(isinstance(p, _HISTORY_FREE_PROCESSORS) for p in chain):
@@ -1095,14 +1096,22 @@ class _MARSDecoder:
             self.seq.scatter_(1, slot_pos, ext)
             return scores, chosen
         # exact path: one slot at a time; rows grouped by history length. Every call gets the full batch
-        # (processors may hold per-row state); rows outside the group are discarded.
+        # (processors may hold per-row state); rows outside the group are discarded. With `stop_at_ends` a
+        # history never goes on past a row's end, as in AR decoding: after a row's EOS (its token or its draft
+        # there) the row continues with pads, and once every row has ended no further slot is processed (no
+        # slot after an EOS can be emitted). Grammar matchers raise when handed a history past EOS.
         groups = {}
         for r in rows:
             groups.setdefault(self.emitted[r], []).append(r)
         group_rows = {g: self._to_device(rs) for g, rs in groups.items()}
-        scores = torch.empty_like(slot_logits)
-        chosen = torch.zeros(slot_logits.shape[:2], dtype=torch.long, device=self.device)
+        scores = slot_logits.clone()  # slots after every row's end keep their raw logits (never emitted)
+        chosen = torch.full(slot_logits.shape[:2], self.pad, dtype=torch.long, device=self.device)
+        stop_at_ends = stop_at_ends and self.eos is not None
+        ended = torch.zeros(self.batch, dtype=torch.bool, device=self.device) if active_t is None else ~active_t
         for s in range(S):
+            if s > 0 and stop_at_ends and bool(ended.all()):
+                self.seq.scatter_(1, slot_pos[:, s:], self.pad)
+                break
             for g, rs in group_rows.items():
                 processed = chain(self.seq[:, :P + g + s], slot_logits[:, s].clone())
                 if len(group_rows) == 1:
@@ -1112,9 +1121,10 @@ class _MARSDecoder:
             tok = self._choose(scores[:, s])
             chosen[:, s] = tok
             ext = tok if forced_mask is None else torch.where(forced_mask[:, s], forced[:, s], tok)
-            if active_t is not None:
-                ext = torch.where(active_t, ext, self.pad)
+            ext = torch.where(ended, self.pad, ext)
             self.seq.scatter_(1, slot_pos[:, s:s + 1], ext[:, None])
+            if stop_at_ends:
+                ended = ended | torch.isin(ext, self.eos) | torch.isin(tok, self.eos)
         return scores, chosen
 
     def _confidence(self, scores, chosen, probs=None, of_distribution=False):
@@ -1275,7 +1285,8 @@ class _MARSDecoder:
             if chain is None:
                 limit = 1
             else:
-                scores, chosen = self._process(slot_logits, S, rows, active_t, None, None, slot_pos, chain)
+                scores, chosen = self._process(slot_logits, S, rows, active_t, None, None, slot_pos, chain,
+                                               stop_at_ends=True)
                 spec_acc = self._accept_threshold(scores, chosen, valid)
                 limit = int(spec_acc[live].min()) if b > 1 else int(spec_acc[0])
         out = torch.empty_like(slot_logits) if scores is None else scores.clone()

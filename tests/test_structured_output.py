@@ -141,3 +141,90 @@ def test_grammar_processor_verify_sampling_valid(model_and_tok):
         torch.manual_seed(0)
         out = _generate(model, enc, factory, do_sample=True, mars_verify=True, mars_threshold=0.0)
         _check(tok, out.sequences, P, validate, prefix_ok)
+
+
+# ------------------------------------------------------------------ transformers-cfg
+CFG_GRAMMARS = [  # (EBNF, the same language as a regex)
+    ('root ::= [0-9] (" " [0-9])*', r"[0-9]( [0-9])*"),
+    ('root ::= "(" [a-c]+ ")" ("," "(" [a-c]+ ")")*', r"\([a-c]+\)(,\([a-c]+\))*"),
+]
+
+
+@pytest.fixture(scope="module")
+def cfg_model_and_tok(tmp_path_factory):
+    """transformers-cfg reads the tokenizer's byte map: a qwen2 checkpoint's tokenizer, reloaded from disk (the
+    library reloads it by path). Offline shim: GPT-2's byte map comes from transformers, not from the Hub."""
+    pytest.importorskip("transformers_cfg")
+    import transformers_cfg.tokenization.middle.ByteProxyMapping as byte_proxy
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from hf_mars import add_mask_token
+    from hf_mars.demo.tiny import tiny_qwen2
+
+    class _OfflineGPT2ByteMap:
+        @staticmethod
+        def from_pretrained(name, **kwargs):
+            if name != "gpt2":
+                return AutoTokenizer.from_pretrained(name, **kwargs)
+            maps = type("GPT2ByteMap", (), {})()
+            maps.byte_encoder = bytes_to_unicode()
+            maps.byte_decoder = {v: k for k, v in maps.byte_encoder.items()}
+            return maps
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(byte_proxy, "AutoTokenizer", _OfflineGPT2ByteMap)
+    tok = build_char_tokenizer()
+    model = tiny_qwen2(tok, seed=3, initializer_range=0.5)
+    add_mask_token(model, tok)
+    path = tmp_path_factory.mktemp("cfg-ckpt")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    enable_mars(model)
+    yield model, AutoTokenizer.from_pretrained(path)
+    mp.undo()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_transformers_cfg_lossless_and_valid(cfg_model_and_tok, prompt):
+    """transformers-cfg's matcher raises when handed a history that goes on past EOS (AR decoding at batch 1
+    never does that): tau < 1 must raise nothing and stay inside the grammar; tau = 1 and verify equal plain
+    decoding. Batch 1 only: in a batch, plain generate itself hands a finished row's EOS to the matcher, and
+    transformers-cfg 0.2.7 then raises whenever the parser's first stack is not the empty one."""
+    from transformers_cfg.generation.logits_process import GrammarConstrainedLogitsProcessor
+    from transformers_cfg.grammar_utils import IncrementalGrammarConstraint
+
+    model, tok = cfg_model_and_tok
+    enc = tok([prompt], return_tensors="pt")
+    P = enc.input_ids.shape[1]
+    ended_early = 0
+    for grammar, as_regex in CFG_GRAMMARS:
+        def factory():
+            return GrammarConstrainedLogitsProcessor(IncrementalGrammarConstraint(grammar, "root", tok))
+
+        recognizer = factory().grammar_constraint.string_recognizer
+
+        def check(sequences):
+            for r in range(sequences.shape[0]):
+                row = sequences[r, P:].tolist()
+                if tok.eos_token_id in row:
+                    text = tok.decode(row[:row.index(tok.eos_token_id)], skip_special_tokens=True)
+                    assert recognizer._accept_string(text) and re.fullmatch(as_regex, text), (grammar, text)
+                else:
+                    text = tok.decode(row, skip_special_tokens=True)
+                    assert recognizer._accept_prefix(text), (grammar, text)
+
+        plain = model.generate(**enc, max_new_tokens=MAX_NEW, do_sample=False,
+                               logits_processor=LogitsProcessorList([factory()]))
+        check(plain)
+        ended_early += int((plain[:, P:] == tok.eos_token_id).any(1).sum())
+        for kw in (dict(mars_threshold=1.0), dict(mars_verify=True, mars_threshold=0.0),
+                   dict(mars_verify=True, mars_threshold=0.9)):
+            out = _generate(model, enc, factory, **kw)
+            assert torch.equal(out.sequences, plain), (grammar, kw)
+        for kw in (dict(mars_threshold=0.9), dict(mars_threshold=0.5), dict(mars_threshold=0.0),
+                   dict(mars_threshold=0.0, mars_cache="block")):
+            out = _generate(model, enc, factory, **kw)  # lossy, but inside the grammar, and nothing raises
+            check(out.sequences)
+    assert ended_early > 0, "no answer reached EOS: the test would not exercise a history past EOS"
