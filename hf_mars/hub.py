@@ -30,7 +30,7 @@ CARD_TAGS = ["mars", "multi-token-prediction", "custom_generate"]
 REPO_ID_PLACEHOLDER = "path/to/this/checkpoint"
 DEFAULT_COMMIT_MESSAGE = "Upload MARS checkpoint"
 # Floors for custom_generate/requirements.txt when hf-mars' own metadata is not available.
-_FALLBACK_FLOORS = {"transformers": "transformers>=5.15.1", "torch": "torch>=2.4"}
+_FALLBACK_FLOORS = {"transformers": "transformers>=5.17.0", "torch": "torch>=2.4"}
 # Never committed: pickled files, trainer state (optimizer, scheduler, RNG, DeepSpeed shards), the
 # intermediate checkpoint-N/ folders of a training output_dir (as Trainer.push_to_hub), caches.
 PUSH_IGNORE_PATTERNS = [

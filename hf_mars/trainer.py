@@ -8,6 +8,8 @@ targets, ``L = noisy CE + ar_weight * clean CE`` under "sequence" or "token" nor
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import os
@@ -167,6 +169,14 @@ class MARSConfig(SFTConfig):
             else:
                 self.gradient_checkpointing = _accelerator_available(self.use_cpu)
         super().__post_init__()
+
+
+def checkpointing_argument(config_cls, enabled: bool) -> dict:
+    """``{name: enabled}`` for activation checkpointing under the name the installed transformers uses:
+    ``activation_checkpointing`` from 5.24 (``gradient_checkpointing`` is its deprecated alias there, and
+    warns), ``gradient_checkpointing`` before."""
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    return {"activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing": enabled}
 
 
 @dataclass

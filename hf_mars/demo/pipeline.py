@@ -132,6 +132,8 @@ def _mars_kwargs(threshold, block_size, cache="sliding", verify=False):
 # ----------------------------------------------------------------------------- training
 
 def _train_config(cls, output_dir, args, **extra):
+    from hf_mars.trainer import checkpointing_argument
+
     return cls(
         output_dir=str(output_dir),
         max_steps=args.steps,
@@ -142,7 +144,7 @@ def _train_config(cls, output_dir, args, **extra):
         weight_decay=0.0,
         max_length=256,
         bf16=False,  # fp32: bf16 autocast is ~8x slower on CPU
-        gradient_checkpointing=False,  # pure overhead for a ~1M-parameter model
+        **checkpointing_argument(cls, False),  # recomputing activations is pure overhead for a ~1M-parameter model
         use_cpu=True,
         seed=args.seed,
         data_seed=args.seed,
