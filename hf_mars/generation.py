@@ -1584,15 +1584,22 @@ def _bind_generate_args(model, args, kwargs) -> dict:
 
 
 def _with_mask_suppressed(model, kwargs, mask_id):
-    """Add the mask token to `suppress_tokens` for this call (transformers then builds the processor)."""
+    """Add the mask token to `suppress_tokens` for this call (transformers then builds the processor). With a
+    `generation_config` passed and no `suppress_tokens` argument, a copy of that config carries it: transformers
+    deprecates passing both a config and generation arguments."""
     existing = kwargs.get("suppress_tokens")
+    given_config = kwargs.get("generation_config") if existing is None else None
     if existing is None:
-        gc = kwargs.get("generation_config") or model.generation_config
-        existing = getattr(gc, "suppress_tokens", None)
+        existing = getattr(given_config or model.generation_config, "suppress_tokens", None)
     existing = list(existing or [])
     if mask_id not in existing:
         existing.append(mask_id)
-    kwargs["suppress_tokens"] = existing
+    if given_config is not None:
+        given_config = copy.deepcopy(given_config)
+        given_config.suppress_tokens = existing
+        kwargs["generation_config"] = given_config
+    else:
+        kwargs["suppress_tokens"] = existing
 
 
 def _route_generate(model, *args, **kwargs):

@@ -5,6 +5,7 @@ left-padded batch, and batched cached decoding equals a naive per-row, cache-fre
 re-implementation of the method (docs/method.md) (which exercises ragged per-row acceptance).
 """
 
+import inspect
 import math
 import shutil
 
@@ -22,6 +23,9 @@ from transformers.generation.streamers import BaseStreamer
 
 import hf_mars.generation as gen
 from hf_mars.generation import enable_mars, mars_generate
+
+# the cache argument's name: `cache` from transformers 5.24 (`past_key_values` is its deprecated alias there)
+CACHE_ARG = "cache" if "cache" in inspect.signature(Qwen2ForCausalLM.forward).parameters else "past_key_values"
 
 PROMPTS = ["hello world", "a", "the quick brown fox", "xy"]
 MAX_NEW = 16
@@ -673,12 +677,12 @@ def test_user_static_cache(peaky):
     enc = tok(PROMPTS[:1], return_tensors="pt")
     plain = _greedy(model, enc, max_new_tokens=16)
     big = StaticCache(config=model.config, max_cache_len=64)
-    assert torch.equal(_greedy(model, enc, max_new_tokens=16, mars_verify=True, past_key_values=big), plain)
+    assert torch.equal(_greedy(model, enc, max_new_tokens=16, mars_verify=True, **{CACHE_ARG: big}), plain)
     small = StaticCache(config=model.config, max_cache_len=enc.input_ids.shape[1] + 16)
     with torch.no_grad():
-        model(input_ids=enc.input_ids[:, :-1], past_key_values=small)  # a cache with a prefix already in it
+        model(input_ids=enc.input_ids[:, :-1], **{CACHE_ARG: small})  # a cache with a prefix already in it
     with pytest.raises(ValueError, match="StaticCache holds"):
-        _greedy(model, enc, max_new_tokens=16, mars_verify=True, past_key_values=small)
+        _greedy(model, enc, max_new_tokens=16, mars_verify=True, **{CACHE_ARG: small})
 
 
 def test_cache_that_cannot_roll_back_is_refused(flat):
@@ -693,7 +697,7 @@ def test_cache_that_cannot_roll_back_is_refused(flat):
     cache = DynamicCache(config=model.config)
     cache.layers = [NoRollbackLayer() for _ in cache.layers]
     with pytest.raises(ValueError, match="cannot do that.*static"):
-        _greedy(model, enc, mars=True, past_key_values=cache)
+        _greedy(model, enc, mars=True, **{CACHE_ARG: cache})
 
 
 @pytest.mark.skipif(not gen.STATIC_CACHE_SUPPORTED, reason="static cache layers roll back from transformers 5.24 on")
