@@ -227,12 +227,17 @@ class ForwardRecorder:
     Hooks sit on the top module (time includes the LM head) and on the decoder stack, so a loop that
     calls the decoder and the head separately is still counted. Widths are the new positions per call.
     ``sync`` makes per-forward times exact on CUDA at the cost of a sync per call.
+
+    A compiled forward (``model.get_compiled_call``, what generate uses with a compile config) traces the module
+    hooks into its graph, where a clock or a counter would be a constant or a guard (a recompile per call): the
+    hooks do nothing while Dynamo traces, and the compiled call itself is counted and timed from outside.
     """
 
     def __init__(self, model, sync: bool = False):
         self.model = model
         self.sync = sync
         self.handles = []
+        self._wrapped = {}  # id(compiled call) -> the counting wrapper around it
         self.reset()
 
     def reset(self):
@@ -251,45 +256,73 @@ class ForwardRecorder:
             x = args[0]
         return int(x.shape[1]) if torch.is_tensor(x) and x.dim() >= 2 else 0
 
+    def _start(self, which, args, kwargs):
+        if self.sync and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._t0[which] = time.perf_counter()
+        if which == "dec":
+            self.dec_calls += 1
+            self.widths.append(self._width(args, kwargs))
+        else:
+            self.top_calls += 1
+
+    def _stop(self, which):
+        if self.sync and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - self._t0.pop(which, time.perf_counter())
+        if which == "dec":
+            self.dec_time += dt
+        else:
+            self.top_time += dt
+
     def _pre(self, which):
         def hook(module, args, kwargs):
-            if self.sync and torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self._t0[which] = time.perf_counter()
-            if which == "dec":
-                self.dec_calls += 1
-                self.widths.append(self._width(args, kwargs))
-            else:
-                self.top_calls += 1
+            if not torch.compiler.is_compiling():
+                self._start(which, args, kwargs)
 
         return hook
 
     def _post(self, which):
         def hook(module, args, kwargs, output):
-            if self.sync and torch.cuda.is_available():
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - self._t0.pop(which, time.perf_counter())
-            if which == "dec":
-                self.dec_time += dt
-            else:
-                self.top_time += dt
+            if not torch.compiler.is_compiling():
+                self._stop(which)
 
         return hook
+
+    def _get_compiled_call(self, compile_config):
+        compiled = type(self.model).get_compiled_call(self.model, compile_config)
+        if id(compiled) not in self._wrapped:
+            def call(*args, **kwargs):
+                for which in self._targets:
+                    self._start(which, args, kwargs)
+                try:
+                    return compiled(*args, **kwargs)
+                finally:
+                    for which in self._targets:
+                        self._stop(which)
+
+            self._wrapped = {id(compiled): call}
+        return self._wrapped[id(compiled)]
 
     def __enter__(self):
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
         targets = [("top", self.model)] + ([("dec", decoder)] if decoder is not None and decoder is not self.model else [])
         if len(targets) == 1:  # no separate decoder: the top module is the one counted
             targets = [("dec", self.model)]
+        self._targets = [which for which, _ in targets]
         for which, mod in targets:
             self.handles.append(mod.register_forward_pre_hook(self._pre(which), with_kwargs=True))
             self.handles.append(mod.register_forward_hook(self._post(which), with_kwargs=True))
+        if hasattr(self.model, "get_compiled_call"):
+            self.model.get_compiled_call = self._get_compiled_call  # instance attribute: removed on exit
         return self
 
     def __exit__(self, *exc):
         for h in self.handles:
             h.remove()
         self.handles = []
+        self.model.__dict__.pop("get_compiled_call", None)
+        self._wrapped = {}
 
     @property
     def calls(self) -> int:

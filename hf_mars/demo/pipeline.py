@@ -354,6 +354,16 @@ def pareto_plot(report, path) -> None:
 
 # ----------------------------------------------------------------------------- CLI
 
+
+# (full run, --quick) for the run-size options; --help and _resolve both read them
+_SIZE_DEFAULTS = {"steps": (600, 6), "batch_size": (32, 8), "num_eval": (320, 16), "timing_prompts": (48, 8),
+                  "timing_repeats": (2, 1)}
+
+
+def _size_help(name: str) -> str:
+    full, quick = _SIZE_DEFAULTS[name]
+    return f"default {full}; {quick} with --quick"
+
 def add_arguments(parser) -> None:
     parser.add_argument("--output-dir", default="mars-demo", help="where report.json, the plot, the table and the "
                         "checkpoint go (default: ./mars-demo)")
@@ -362,14 +372,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--block-size", type=int, default=4, help="MARS block size B (default 4, as in the paper)")
     parser.add_argument("--steps", type=int, default=None, help="fine-tuning steps for MARS and for the AR-SFT "
-                        "baseline each (default 600; 6 with --quick)")
-    parser.add_argument("--batch-size", type=int, default=None, help="training batch size (default 32; 8 with --quick)")
+                        f"baseline each ({_size_help('steps')})")
+    parser.add_argument("--batch-size", type=int, default=None, help=f"training batch size ({_size_help('batch_size')})")
     parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument("--num-eval", type=int, default=None, help="held-out examples (default 320; 16 with --quick)")
+    parser.add_argument("--num-eval", type=int, default=None, help=f"held-out examples ({_size_help('num_eval')})")
     parser.add_argument("--timing-prompts", type=int, default=None, help="prompts in the wall-clock runs "
-                        "(default 48; 16 with --quick)")
+                        f"({_size_help('timing_prompts')})")
     parser.add_argument("--timing-repeats", type=int, default=None, help="repeats per timing (min is kept; "
-                        "default 2, 1 with --quick)")
+                        f"{_size_help('timing_repeats')})")
     parser.add_argument("--cut-fraction", type=float, default=0.5, help="share of MARS training examples cut at a "
                         "random point of the answer (the prefix joins the prompt), so the masks learn the layout "
                         "they meet when decoding; 0 disables")
@@ -381,9 +391,7 @@ def add_arguments(parser) -> None:
 
 def _resolve(args) -> None:
     quick = args.quick
-    defaults = {"steps": (600, 6), "batch_size": (32, 8), "num_eval": (320, 16), "timing_prompts": (48, 8),
-                "timing_repeats": (2, 1)}
-    for name, (full, small) in defaults.items():
+    for name, (full, small) in _SIZE_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, small if quick else full)
     for name in ("steps", "batch_size", "num_eval", "timing_prompts", "timing_repeats", "block_size"):
