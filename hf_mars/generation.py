@@ -304,6 +304,22 @@ _LOOP_KWARGS = ("cache", "past_key_values", "attention_mask", "position_ids", "u
                 "inputs_embeds")
 
 
+STATIC_CACHE_BUCKET = 256  # static caches MARS creates hold a multiple of this many positions
+
+
+def _static_cache_length(model, generation_config, needed: int) -> int:
+    """Positions of the static cache MARS decodes into: every compiled graph is specialised to the cache's shape,
+    so a length per prompt length would recompile per prompt length (and soon exhaust Dynamo's recompile limit,
+    falling back to eager). As plain `generate` does, the length only grows across calls (the largest so far is
+    kept on the model) and honours `generation_config.max_cache_len`; beyond that it is rounded up to a multiple
+    of `STATIC_CACHE_BUCKET`, so a stream of prompts of every length compiles a handful of graphs at most."""
+    floor = max(needed, getattr(model, "_mars_static_cache_length", 0),
+                getattr(generation_config, "max_cache_len", None) or 0)
+    size = -(-floor // STATIC_CACHE_BUCKET) * STATIC_CACHE_BUCKET
+    model._mars_static_cache_length = size
+    return size
+
+
 def _cache_key(model_kwargs) -> str:
     return "past_key_values" if "past_key_values" in model_kwargs and "cache" not in model_kwargs else "cache"
 
@@ -535,14 +551,17 @@ class _MARSDecoder:
         if self.static:
             needed = P + max(self.max_new, 0) + 3 * self.candidates + 2  # one step's (fixed-width) chunk beyond
             capacity = min(layer.max_cache_len for layer in self.cache.layers)
-            if capacity < needed:
-                if self.cache.get_seq_length() > 0:
+            if self.cache.get_seq_length() > 0:  # a cache that holds a prefix is used as it is
+                if capacity < needed:
                     raise ValueError(
                         f"This StaticCache holds {capacity} positions; MARS decoding needs {needed} (prompt + new "
                         f"tokens + one step's masks and drafts). Pass StaticCache(config, max_cache_len={needed})."
                     )
-                # the cache generate built for plain decoding (max_length positions): the same, a step larger
-                self.cache = StaticCache(config=model.config, max_cache_len=needed)
+            else:  # an empty one (generate's, sized for this call's plain decoding): see `_static_cache_length`
+                size = _static_cache_length(model, generation_config, needed)
+                if capacity != size:
+                    self.cache = StaticCache(config=model.config, max_cache_len=size)
+        self.static_len = min(layer.max_cache_len for layer in self.cache.layers) if self.static else 0
         # torch.compile, as generate decides it for plain decoding: a compileable (static) cache, an accelerator or
         # compile_config._compile_all_devices, not disabled. Decode steps only (the prefill runs eagerly); each
         # distinct step width is one graph (dynamo turns the width dynamic after the second)
@@ -800,6 +819,9 @@ class _MARSDecoder:
             if cache_attn is None:
                 cache_attn = torch.ones(self.batch, self.cache_len, dtype=torch.long, device=self.device)
             attention_mask = torch.cat([cache_attn, col_real.long()], dim=1)
+            if self.static_len:  # the cache's full length: one mask shape every step (one compiled graph); the
+                # columns past the chunk are unwritten and causally masked anyway
+                attention_mask = torch.nn.functional.pad(attention_mask, (0, self.static_len - attention_mask.shape[1]))
         kwargs = dict(self.extra_forward_kwargs)
         kwargs[self.cache_key] = self.cache
         if self.supports_logits_to_keep:

@@ -735,6 +735,45 @@ def test_compile_config_is_honoured_with_a_static_cache(peaky):
     assert torch.equal(first, _greedy(model, one, **kw))
 
 
+@pytest.mark.skipif(not gen.STATIC_CACHE_SUPPORTED, reason="static cache layers roll back from transformers 5.24 on")
+@pytest.mark.parametrize("batch", [1, 3])
+def test_compiled_mars_graphs_bounded_over_prompt_lengths(peaky, batch):
+    """A stream of prompts of many lengths compiles a bounded number of graphs (the static cache MARS decodes into
+    has one length per `STATIC_CACHE_BUCKET`, growing only), and none after a warm-up pass; outputs stay greedy."""
+    from transformers import CompileConfig
+
+    from hf_mars._compat import compile_on_any_device
+
+    model, tok = peaky
+    graphs = []
+    def backend(gm, inputs, **options):  # counts compilations, runs the captured graph as is
+        graphs.append(1)
+        return gm.forward
+
+    # dynamic=False, as a user pinning static shapes would: every new cache shape is a new graph
+    config = compile_on_any_device(CompileConfig(backend=backend, mode=None, dynamic=False))
+    words = "the quick brown fox jumps over a lazy dog and then some more words follow here".split()
+    prompts = [" ".join(words[:n]) for n in range(1, 10)]  # 9 distinct prompt lengths
+    batches = [tok(prompts[i:i + batch], return_tensors="pt", padding=True, padding_side="left")
+               for i in range(0, len(prompts), batch)]
+    torch._dynamo.reset()
+    model.__dict__.pop("_compiled_call", None)
+    model.__dict__.pop("_mars_static_cache_length", None)
+    kw = dict(max_new_tokens=8, cache_implementation="static", compile_config=config)
+    for mode in (dict(mars_verify=True, mars_threshold=0.0), dict(mars_threshold=0.5)):
+        warm = [_greedy(model, enc, **mode, **kw) for enc in batches]
+        after_warmup = len(graphs)
+        again = [_greedy(model, enc, **mode, **kw) for enc in batches]
+        assert len(graphs) == after_warmup, f"{len(graphs) - after_warmup} recompiles after warm-up ({mode})"
+        assert all(torch.equal(a, b) for a, b in zip(warm, again))
+    assert 1 <= len(graphs) <= 4, f"{len(graphs)} graphs for 9 prompt lengths"
+    for enc, out in zip(batches, warm[:2]):  # threshold mode decodes what the uncompiled loop decodes
+        assert torch.equal(out, _greedy(model, enc, max_new_tokens=8, cache_implementation="static",
+                                        mars_threshold=0.5))
+    verify = [_greedy(model, enc, mars_verify=True, mars_threshold=0.0, **kw) for enc in batches[:2]]
+    assert all(torch.equal(v, _greedy(model, enc, max_new_tokens=8)) for v, enc in zip(verify, batches))
+
+
 def test_batched_cache_is_compacted_and_output_unchanged(peaky, monkeypatch):
     """Ragged acceptance leaves masked pad columns in a batched cache; they are compacted away once they exceed 10%
     of it, and every row's output is what that row decodes alone."""
