@@ -101,6 +101,9 @@ class MARSConfig(SFTConfig):
             transformers >= 5.24, of which this is the deprecated alias). If neither is set, it is `True` on a GPU/XPU
             (MARS sequences are twice as long, so activations double) and `False` on CPU, where memory is rarely the
             limit and the recomputation costs ~20% of the step.
+        dataloader_pin_memory (`bool`, *optional*):
+            Whether to pin the dataloader's host memory. If not set, it is `True` only where there is an accelerator
+            to copy to; on CPU pinning does nothing and torch warns that it does nothing.
     """
 
     block_size: int = field(
@@ -144,6 +147,12 @@ class MARSConfig(SFTConfig):
         },
     )
 
+    dataloader_pin_memory: bool | None = field(
+        default=None,
+        metadata={"help": "Pin the dataloader's host memory. If not set: True when an accelerator is used, False on "
+                  "CPU (where pinning does nothing)."},
+    )
+
     def __post_init__(self):
         check_block_size(self.block_size, "block_size")
         if self.ar_weight is None or not math.isfinite(float(self.ar_weight)) or float(self.ar_weight) < 0:
@@ -168,6 +177,8 @@ class MARSConfig(SFTConfig):
                 self.activation_checkpointing = _accelerator_available(self.use_cpu)
             else:
                 self.gradient_checkpointing = _accelerator_available(self.use_cpu)
+        if self.dataloader_pin_memory is None:
+            self.dataloader_pin_memory = _accelerator_available(self.use_cpu)
         super().__post_init__()
 
 
@@ -504,8 +515,8 @@ class MARSTrainer(SFTTrainer):
             bad = [name for name, v in (("noisy (mask) stream", noisy_num), ("clean (AR) stream", clean_num))
                    if not bool(torch.isfinite(v))] or ["the normaliser"]
             raise FloatingPointError(
-                f"MARS loss is not finite at step {self.state.global_step} ({' and '.join(bad)}: noisy={float(noisy_num)}, "
-                f"clean={float(clean_num)}). Lower the learning rate, check the data for empty targets, or train in "
+                f"MARS loss is not finite at step {self.state.global_step} ({' and '.join(bad)}: noisy={float(noisy_num.detach())}, "
+                f"clean={float(clean_num.detach())}). Lower the learning rate, check the data for empty targets, or train in "
                 "float32; the last saved checkpoint is intact (resume_from_checkpoint)."
             )
         # like Trainer/SFTTrainer: the denominator counts every rank, and DDP averages the gradients across ranks

@@ -183,6 +183,8 @@ def _stop(proc):
         return proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
+    finally:
+        proc.stdout.close()
         raise
 
 

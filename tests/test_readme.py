@@ -221,6 +221,8 @@ def servers(stand_ins):
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+            finally:
+                proc.stdout.close()
 
 
 # --------------------------------------------------------------------------- python blocks

@@ -63,6 +63,8 @@ def server(tmp_path_factory):
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
         proc.kill()
+    finally:
+        proc.stdout.close()
 
 
 def _ask(client, model, gen=None, stream=False):

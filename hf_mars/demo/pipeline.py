@@ -144,6 +144,7 @@ def _train_config(cls, output_dir, args, **extra):
         weight_decay=0.0,
         max_length=256,
         bf16=False,  # fp32: bf16 autocast is ~8x slower on CPU
+        dataloader_pin_memory=False,  # CPU only: pinning does nothing (and torch warns so)
         **checkpointing_argument(cls, False),  # recomputing activations is pure overhead for a ~1M-parameter model
         use_cpu=True,
         seed=args.seed,
