@@ -183,9 +183,9 @@ def _stop(proc):
         return proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
+        raise
     finally:
         proc.stdout.close()
-        raise
 
 
 @pytest.fixture(scope="module")
