@@ -830,6 +830,8 @@ def format_table(result: dict) -> str:
     out.append("limit = (tokens per forward call, MARS/AR) x cost(1)/cost(1+B); eff = speedup/limit; "
                "lim(w) = the same with the cost of the widths actually forwarded; "
                "ideal = speed-up with zero loop overhead (in-loop model time only); ovh = loop time outside forwards")
+    out.append("=AR = share of answers identical token for token to plain greedy generate's (100% for tau = 1 and "
+               "verify); acc = exact-match accuracy against the prompts' reference answers (- without them)")
     m = result["machine"]
     out.append(f"machine: {m.get('cpu_model', m['processor'])}, {m['cpu_count']} CPUs, torch threads {m['torch_threads']}, "
                f"device {m['device']}{', ' + m['gpu'] if 'gpu' in m else ''}; load avg {m.get('load_average_start')} -> "
