@@ -1108,7 +1108,7 @@ class _MARSDecoder:
         tokens are written into `seq` at their positions (inactive rows keep pads there). ``stop_at_ends``
         (a chain holding stateful objects): no history goes on past a row's EOS, as in AR decoding.
         """
-        b, P = self.batch, self.prompt_len
+        P = self.prompt_len
         if all(isinstance(p, _HISTORY_FREE_PROCESSORS) for p in chain):
             scores = self._history_free(chain, slot_logits)
             chosen = self._choose(scores)
@@ -1126,12 +1126,15 @@ class _MARSDecoder:
         for r in rows:
             groups.setdefault(self.emitted[r], []).append(r)
         group_rows = {g: self._to_device(rs) for g, rs in groups.items()}
-        scores = slot_logits.clone()  # slots after every row's end keep their raw logits (never emitted)
+        scores = torch.empty_like(slot_logits)
         chosen = torch.full(slot_logits.shape[:2], self.pad, dtype=torch.long, device=self.device)
         stop_at_ends = stop_at_ends and self.eos is not None
-        ended = torch.zeros(self.batch, dtype=torch.bool, device=self.device) if active_t is None else ~active_t
+        ended = None if active_t is None else ~active_t  # rows whose history takes pads from here on
+        if stop_at_ends and ended is None:
+            ended = torch.zeros(self.batch, dtype=torch.bool, device=self.device)
         for s in range(S):
-            if s > 0 and stop_at_ends and bool(ended.all()):
+            if s > 0 and stop_at_ends and bool(ended.all()):  # the rest is never emitted: raw logits, pads
+                scores[:, s:] = slot_logits[:, s:]
                 self.seq.scatter_(1, slot_pos[:, s:], self.pad)
                 break
             for g, rs in group_rows.items():
@@ -1143,7 +1146,8 @@ class _MARSDecoder:
             tok = self._choose(scores[:, s])
             chosen[:, s] = tok
             ext = tok if forced_mask is None else torch.where(forced_mask[:, s], forced[:, s], tok)
-            ext = torch.where(ended, self.pad, ext)
+            if ended is not None:
+                ext = torch.where(ended, self.pad, ext)
             self.seq.scatter_(1, slot_pos[:, s:s + 1], ext[:, None])
             if stop_at_ends:
                 ended = ended | torch.isin(ext, self.eos) | torch.isin(tok, self.eos)

@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from servers import free_port, stop_server
 import torch
 
 openai = pytest.importorskip("openai")
@@ -152,14 +152,8 @@ def test_cancelled_stream_stops_its_row_only(tiny):
 
 
 # ------------------------------------------------------------------------------------------ a real server process
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _start(ckpt, tmp, *flags):
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp / "modules"), OMP_NUM_THREADS="1",
                TOKENIZERS_PARALLELISM="false")
     cli = Path(sys.executable).with_name("hf-mars")
@@ -175,17 +169,6 @@ def _start(ckpt, tmp, *flags):
                 proc.kill()
                 pytest.fail("hf-mars serve did not start:\n" + (proc.stdout.read() or "")[-3000:])
             time.sleep(0.3)
-
-
-def _stop(proc):
-    proc.terminate()
-    try:
-        return proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    finally:
-        proc.stdout.close()
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +189,7 @@ def server(checkpoint):
                         "--max-tokens-limit", "1600")
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-test", max_retries=0, timeout=120)
     yield client, port
-    assert _stop(proc) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down cleanly
+    assert stop_server(proc, timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down cleanly
 
 
 def _chat(client, text, n=40, stream=False, **kw):

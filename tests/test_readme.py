@@ -37,7 +37,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -46,6 +45,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from servers import free_port, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -172,12 +172,6 @@ def stand_ins(tmp_path_factory):
     return {"reader": reader, "tmp": tmp, "tiny_base": str(TINY_BASE), "dataset": str(dataset)}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _env(tmp: Path) -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                HF_HOME=str(tmp / "hf_home"), HF_MODULES_CACHE=str(tmp / "modules"), KEY=KEY, OMP_NUM_THREADS="1")
@@ -192,7 +186,7 @@ def servers(stand_ins):
                      if "127.0.0.1:8000" in text and _not_run_reason(text) is None})
     env, procs, ports = _env(stand_ins["tmp"]), {}, {}
     for line in needed:
-        port = _free_port()
+        port = free_port()
         cmd = line.split("  #")[0].strip()
         cmd = cmd.replace("--port 8000", f"--port {port}") if "--port" in cmd else f"{cmd} --port {port}"
         procs[line] = subprocess.Popen(["bash", "-c", "exec " + cmd], cwd=stand_ins["reader"], env=env,
@@ -215,14 +209,7 @@ def servers(stand_ins):
         yield ports
     finally:
         for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            finally:
-                proc.stdout.close()
+            stop_server(proc)
 
 
 # --------------------------------------------------------------------------- python blocks

@@ -7,23 +7,17 @@ custom_generate append each MARS call's statistics to a file, so the test sees t
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from servers import free_port, stop_server
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
-
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +33,7 @@ def server(tmp_path_factory):
     model = position_only_model(tok)  # drafts mostly right: verify takes several tokens per forward
     set_mars_metadata(model.config, block_size=4, trained_steps=1)
     ckpt = save_for_hub(model, tok, tmp / "ckpt")
-    port = _free_port()
+    port = free_port()
     stats = tmp / "stats.jsonl"
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp / "modules"), HF_MARS_STATS=str(stats),
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
@@ -58,13 +52,7 @@ def server(tmp_path_factory):
                 pytest.fail("transformers serve did not start:\n" + (proc.stdout.read() or "")[-3000:])
             time.sleep(0.5)
     yield client, str(ckpt), stats
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    finally:
-        proc.stdout.close()
+    stop_server(proc)
 
 
 def _ask(client, model, gen=None, stream=False):

@@ -27,7 +27,6 @@ import platform
 import statistics
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -237,7 +236,7 @@ class ForwardRecorder:
         self.model = model
         self.sync = sync
         self.handles = []
-        self._wrapped = {}  # id(compiled call) -> the counting wrapper around it
+        self._wrapped = None  # (the compiled call, the counting wrapper around it)
         self.reset()
 
     def reset(self):
@@ -291,7 +290,7 @@ class ForwardRecorder:
 
     def _get_compiled_call(self, compile_config):
         compiled = type(self.model).get_compiled_call(self.model, compile_config)
-        if id(compiled) not in self._wrapped:
+        if self._wrapped is None or self._wrapped[0] is not compiled:
             def call(*args, **kwargs):
                 for which in self._targets:
                     self._start(which, args, kwargs)
@@ -301,8 +300,8 @@ class ForwardRecorder:
                     for which in self._targets:
                         self._stop(which)
 
-            self._wrapped = {id(compiled): call}
-        return self._wrapped[id(compiled)]
+            self._wrapped = (compiled, call)
+        return self._wrapped[1]
 
     def __enter__(self):
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
@@ -322,7 +321,7 @@ class ForwardRecorder:
             h.remove()
         self.handles = []
         self.model.__dict__.pop("get_compiled_call", None)
-        self._wrapped = {}
+        self._wrapped = None
 
     @property
     def calls(self) -> int:
