@@ -1621,7 +1621,7 @@ def _with_mask_suppressed(model, kwargs, mask_id):
     if mask_id not in existing:
         existing.append(mask_id)
     if given_config is not None:
-        given_config = copy.deepcopy(given_config)
+        given_config = copy.copy(given_config)  # shallow: only suppress_tokens is replaced (a new list)
         given_config.suppress_tokens = existing
         kwargs["generation_config"] = given_config
     else:

@@ -895,3 +895,25 @@ def test_host_acceptance_equals_device_acceptance(peaky, monkeypatch, kw, which)
         if kw.get(f"output_{field}"):
             for a, b in zip(getattr(host, field), getattr(device, field), strict=True):
                 torch.testing.assert_close(a, b)
+
+
+def test_generation_config_object_carries_the_mask_suppression(flat, monkeypatch):
+    """A `generation_config` passed with MARS (as servers do) is not mixed with a `suppress_tokens` argument
+    (transformers deprecates config + arguments); the caller's object is left as it was."""
+    import transformers.generation.utils as gen_utils
+    from transformers import GenerationConfig
+
+    model, tok = flat
+    said = []
+    monkeypatch.setattr(gen_utils.logger, "warning_once", lambda msg, *a, **k: said.append(str(msg)))
+    enc = tok(PROMPTS[:1], return_tensors="pt")
+    config = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_token_id,
+                              pad_token_id=tok.pad_token_id)
+    plain = model.generate(**enc, generation_config=config)
+    mars = model.generate(**enc, generation_config=config, mars_threshold=1.0)
+    assert torch.equal(mars, plain)
+    assert config.suppress_tokens is None  # the caller's config is untouched
+    mask_id = model.config.mars["mask_token_id"]
+    out = model.generate(**enc, generation_config=config, mars_threshold=0.0)
+    assert mask_id not in out[0].tolist()
+    assert not [m for m in said if "together with generation-related" in m], said
