@@ -519,6 +519,11 @@ class _MARSDecoder:
         self.max_drafts = (self.candidates - 1) if not self.one_token else 0
         max_slots = (self.max_drafts + 1 + self.max_drafts) if opts.verify else self.candidates
         self.buf_len = P + max(self.max_new, 0) + max_slots + 2
+        # a step's trailing drafts and masks may reach past the model's context (learned absolute positions,
+        # GPT-2 / OPT, then index past their table) although the answer fits: only tokens past max_new read
+        # those columns, so their positions are clamped to the last one (the emitted tokens are unchanged)
+        limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        self.last_position = limit - 1 if isinstance(limit, int) and P + self.max_new + max_slots > limit else None
 
         # --- token buffer: prompt | generated (pad-filled: finished rows read like AR's padded rows) ---
         # plus two constant columns, pad and mask, so that one gather builds a batched chunk
@@ -826,6 +831,8 @@ class _MARSDecoder:
         kwargs[self.cache_key] = self.cache
         if self.supports_logits_to_keep:
             kwargs["logits_to_keep"] = plan.logits_kept
+        if self.last_position is not None:
+            position_ids = position_ids.clamp(max=self.last_position)
         forward = self.model_forward if plan.first else self.decode_forward
         out = forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       use_cache=True, return_dict=True, **kwargs)

@@ -917,3 +917,29 @@ def test_generation_config_object_carries_the_mask_suppression(flat, monkeypatch
     out = model.generate(**enc, generation_config=config, mars_threshold=0.0)
     assert mask_id not in out[0].tolist()
     assert not [m for m in said if "together with generation-related" in m], said
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_answer_up_to_the_context_of_learned_positions(batch):
+    """GPT-2's position table ends at n_positions: an answer that fits (prompt + max_new_tokens = n_positions)
+    decodes although a step's trailing drafts and masks reach past it, and stays equal to greedy."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_mars.demo.tiny import build_char_tokenizer
+    from hf_mars.tokens import add_mask_token
+
+    tok = build_char_tokenizer()
+    torch.manual_seed(3)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=40, n_embd=32, n_layer=2, n_head=2,
+                                       initializer_range=0.5, bos_token_id=tok.bos_token_id,
+                                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)).eval()
+    add_mask_token(model, tok)
+    enable_mars(model)
+    enc = tok(PROMPTS[:batch], return_tensors="pt", padding=True)
+    new = 40 - enc.input_ids.shape[1]
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    want = model.generate(**enc, mars=False, **kw)
+    assert want.shape[1] == 40
+    for mars in (dict(mars_threshold=1.0), dict(mars_verify=True), dict(mars_verify=True, mars_threshold=0.0)):
+        assert torch.equal(model.generate(**enc, mars=True, **mars, **kw), want), mars
+    assert model.generate(**enc, mars=True, mars_threshold=0.0, **kw).shape == want.shape
