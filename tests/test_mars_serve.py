@@ -108,7 +108,7 @@ def test_ladder_picks_tau_from_the_load(tiny):
 
 
 def test_full_queue_answers_429(tiny):
-    from fastapi import HTTPException
+    from hf_mars.serve.errors import HTTPError
 
     model, tok = tiny
     manager = MARSBatchingManager(TauLadder("0:1.0"), max_queue=2)
@@ -118,9 +118,9 @@ def test_full_queue_answers_429(tiny):
             ok = [asyncio.ensure_future(manager.generate_non_streaming(model, tok, {"input_ids": _ids(tok, p)},
                                                                         _gc(tok, 8), "r")) for p in PROMPTS[:2]]
             await asyncio.sleep(0)
-            with pytest.raises(HTTPException) as err:
+            with pytest.raises(HTTPError) as err:
                 await manager.generate_non_streaming(model, tok, {"input_ids": _ids(tok, PROMPTS[2])}, _gc(tok, 8), "r")
-        assert err.value.status_code == 429 and err.value.detail["code"] == "queue_full"
+        assert (err.value.status, err.value.code, err.value.retry_after) == (429, "queue_full", 1)
         return await asyncio.gather(*ok)
 
     assert len(asyncio.run(go())) == 2  # the accepted ones are still answered
@@ -200,8 +200,9 @@ def _chat(client, text, n=40, stream=False, **kw):
     return client.chat.completions.create(**args).choices[0].message.content
 
 
-def _metrics(port):
-    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+def _metrics(port, key="sk-test"):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {key}"})
+    return urllib.request.urlopen(req, timeout=10).read().decode()
 
 
 @pytest.mark.timeout(300)
