@@ -276,7 +276,7 @@ def test_queue_limit_and_graceful_shutdown(checkpoint):
                         "--max-tokens-limit", "1600")
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
     gen = json.dumps({"min_new_tokens": 1200, "max_new_tokens": 1200, "do_sample": False})
-    results, done_at = {}, {}
+    results, done_at, retry_after = {}, {}, {}
 
     def ask(i):
         try:
@@ -285,6 +285,7 @@ def test_queue_limit_and_graceful_shutdown(checkpoint):
             results[i] = r.usage.completion_tokens
         except openai.APIStatusError as e:
             results[i] = e.status_code
+            retry_after[i] = e.response.headers.get("retry-after")
         done_at[i] = time.time()
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
@@ -300,6 +301,7 @@ def test_queue_limit_and_graceful_shutdown(checkpoint):
     answered = [i for i, r in results.items() if r == 1200]
     assert len(results) == 6 and set(results.values()) <= {1200, 429}, results
     assert 429 in results.values() and len(answered) >= 2  # one decoding + one waiting, the rest refused
+    assert set(retry_after.values()) == {"1"}  # every 429 says when to retry
     assert any(done_at[i] > term_at for i in answered)  # finished after SIGTERM: shutdown waited for it
 
 

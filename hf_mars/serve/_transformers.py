@@ -20,6 +20,19 @@ TESTED_TRANSFORMERS = ("5.17.0", "5.24.0")
 STREAM_ERROR_PREFIX = 'data: {"error": '
 
 
+def untested_version() -> str | None:
+    """A warning when the installed transformers is outside ``TESTED_TRANSFORMERS`` (None inside)."""
+    import transformers
+    from packaging.version import Version
+
+    low, high = (Version(v) for v in TESTED_TRANSFORMERS)
+    installed = Version(transformers.__version__)
+    if low <= installed and installed.release[:2] <= high.release[:2]:
+        return None
+    return (f"hf-mars serve is tested with transformers {TESTED_TRANSFORMERS[0]} to {TESTED_TRANSFORMERS[1][:4]}x; "
+            f"{installed} is installed: its serving internals may have moved (tests/test_serve_contract.py checks)")
+
+
 # --------------------------------------------------------------------------------------------- streamers
 def make_streamer(processor, loop, queue, response_parser=None):
     """transformers' `DirectStreamer`: decodes token ids incrementally into ``queue`` on ``loop``."""

@@ -240,7 +240,10 @@ def build_app(model: str, ladder: TauLadder, *, served_model_name: str | None = 
         body = admission.parse(route, await request.body())
         try:
             task = asyncio.ensure_future(handlers[route].handle_request(body, request_id))
-            response = await _unless_disconnected(task, request)
+            try:
+                response = await _unless_disconnected(task, request)
+            except Exception as e:  # noqa: BLE001 - a refusal (4xx), or an internal error answered as a 500
+                raise _as_http_error(e) from e
             job = manager.job_for(request_id)
         finally:
             manager.jobs.pop(request_id, None)

@@ -118,6 +118,10 @@ def run(args):
                     public_metrics=args.public_metrics, max_body_bytes=args.max_body_bytes,
                     read_timeout=args.read_timeout, template_timeout=args.template_timeout,
                     trust_request_chat_template=args.trust_request_chat_template)
+    from ._transformers import untested_version
+
+    if untested_version():
+        print(f"warning: {untested_version()}", flush=True)
     mode = "lossless (verify)" if args.lossless else f"τ ladder {ladder}"
     print(f"hf-mars serve: {served_name(args.model, args.served_model_name)} on http://{args.host}:{args.port}/v1, "
           f"{mode}, batches of up to {args.max_batch_size}; metrics at /metrics", flush=True)

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..generation import check_threshold
+from ..generation import ACCEPTANCE_MODES, check_threshold
 from .errors import HTTPError
 
 
@@ -220,8 +220,9 @@ class Admission:
                 raise HTTPError(400, f"`messages.{i}.content` is missing.", "invalid_value", f"messages.{i}.content")
         if isinstance(body.get("prompt"), list):
             body["prompt"] = body["prompt"][0]
-        if body.get("stop") in ([], ""):
-            del body["stop"]
+        for field in ("stop", "logit_bias"):  # empty: none (transformers would refuse an empty one)
+            if field in body and not body[field]:
+                del body[field]
         for key in body.get("logit_bias") or {}:
             if not key.isdigit():
                 raise HTTPError(400, f"`logit_bias`: keys are token ids, got {key!r}.", "invalid_value", "logit_bias")
@@ -261,9 +262,18 @@ class Admission:
         if extra:
             raise HTTPError(400, f"`generation_config`: {extra} may not be set by a request; allowed: "
                             f"{sorted(GENERATION_CONFIG_FIELDS)}.", "invalid_generation_config", "generation_config")
-        for key in ("max_new_tokens", "min_new_tokens", "top_k", "no_repeat_ngram_size"):
-            if key in data and (type(data[key]) is not int or data[key] < 0):
-                raise HTTPError(400, f"`generation_config.{key}` must be an integer >= 0.",
+        rules = {**dict.fromkeys(("max_new_tokens", "min_new_tokens", "top_k", "no_repeat_ngram_size"),
+                                 (lambda v: type(v) is int and v >= 0, "an integer >= 0")),
+                 **dict.fromkeys(("do_sample", "mars", "mars_verify", "mars_use_last_mask"),
+                                 (lambda v: type(v) is bool, "true or false")),
+                 **dict.fromkeys(("temperature", "top_p", "min_p", "typical_p", "repetition_penalty"),
+                                 (lambda v: type(v) in (int, float) and 0 < v < float("inf"), "a number > 0")),
+                 "mars_acceptance": (lambda v: v in ACCEPTANCE_MODES, f"one of {list(ACCEPTANCE_MODES)}"),
+                 "mars_max_accept": (lambda v: v is None or (type(v) is int and v >= 1), "null or an integer >= 1")}
+        for key, value in data.items():
+            is_valid, what = rules.get(key, (lambda v: True, ""))
+            if not is_valid(value):
+                raise HTTPError(400, f"`generation_config.{key}` must be {what}, got {value!r}.",
                                 "invalid_generation_config", "generation_config")
         try:
             GenerationConfig(**data).validate(strict=True)

@@ -1,0 +1,122 @@
+"""The `transformers serve` and uvicorn internals `hf-mars serve` touches, checked against the installed versions.
+
+A failure here means an upgrade moved one: fix `hf_mars/serve/_transformers.py` (or the uvicorn protocol in
+`hf_mars/serve/command.py`), nowhere else, and widen `TESTED_TRANSFORMERS` once the suite passes.
+"""
+
+import asyncio
+import inspect
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from hf_mars.serve import _transformers as tf  # noqa: E402
+
+
+def _params(fn):
+    return list(inspect.signature(fn).parameters)
+
+
+def test_handler_methods_we_call_or_override():
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
+    from transformers.cli.serving.completion import CompletionHandler
+    from transformers.cli.serving.response import ResponseHandler
+    from transformers.cli.serving.utils import BaseHandler
+
+    moved = []
+    expect = {
+        (BaseHandler, "__init__"): ["self", "model_manager", "generation_state"],
+        (BaseHandler, "_resolve_model"): ["self", "body"],
+        (BaseHandler, "_build_generation_config"): ["self", "body", "model_generation_config", "use_cb"],
+        (BaseHandler, "get_processor_inputs_from_messages"): ["messages", "modality"],
+        (ChatCompletionHandler, "_streaming"): ["self", "request_id", "model", "processor", "model_id", "inputs",
+                                                "gen_config", "gen_manager"],
+        (ChatCompletionHandler, "_non_streaming"): ["self", "request_id", "model", "processor", "model_id", "inputs",
+                                                    "gen_config", "gen_manager"],
+        (CompletionHandler, "_streaming"): ["self", "request_id", "model", "processor", "model_id", "inputs",
+                                            "gen_config", "gen_manager", "suffix"],
+        (CompletionHandler, "_non_streaming"): ["self", "request_id", "model", "processor", "model_id", "inputs",
+                                                "gen_config", "gen_manager", "suffix"],
+        (ResponseHandler, "_streaming"): ["self", "request_id", "model", "processor", "model_id", "body", "inputs",
+                                          "gen_config", "gen_manager"],
+        (ResponseHandler, "_non_streaming"): ["self", "request_id", "model", "processor", "model_id", "body",
+                                              "inputs", "gen_config", "gen_manager"],
+        (ResponseHandler, "_normalize_input"): ["body"],
+        (ResponseHandler, "_normalize_tools"): ["tools"],
+    }
+    for (cls, name), params in expect.items():
+        fn = getattr(cls, name, None)
+        if fn is None or _params(fn)[: len(params)] != params:
+            moved.append(f"{cls.__name__}.{name}{tuple(params)} -> {None if fn is None else _params(fn)}")
+    assert not moved, "transformers serve moved what hf_mars/serve/_transformers.py uses:\n" + "\n".join(moved)
+
+
+def test_model_manager_and_streamer_internals():
+    from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving.utils import DirectStreamer
+
+    assert {"force_model", "model_timeout", "trust_remote_code"} <= set(_params(ModelManager.__init__)), \
+        "ModelManager's constructor moved"
+    for name in ("_load_model", "load_model_and_processor", "process_model_name", "shutdown", "get_model_modality"):
+        assert hasattr(ModelManager, name), f"ModelManager.{name} is gone"
+    assert issubclass(tf.generation_cancelled_error(), Exception)
+    from transformers.cli.serving.utils import _StreamError  # noqa: F401 - stream_fail builds one
+
+    assert {"_enqueue", "put", "end", "cancel"} <= set(dir(DirectStreamer))
+
+
+def test_a_stream_error_is_written_as_we_rewrite_it():
+    """transformers writes a stream's error item as `data: {"error": "<unescaped>"}`; the app replaces that line
+    with an OpenAI error event. This runs the real chat handler's SSE generator on a queue holding the error."""
+    from transformers import GenerationConfig
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
+    from transformers.cli.serving.utils import _StreamError
+
+    from hf_mars.demo.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+
+    class Manager:
+        def generate_streaming(self, *args, **kwargs):
+            queue = asyncio.Queue()
+            queue.put_nowait(_StreamError('broke "here"'))
+            return queue, type("S", (), {"total_tokens": 0, "cancel": lambda self: None})()
+
+    class Model:
+        config = type("C", (), {"model_type": "gpt2"})()
+
+    async def run():
+        handler = ChatCompletionHandler.__new__(ChatCompletionHandler)
+        import torch
+
+        response = handler._streaming("id", Model(), tok, "m", {"input_ids": torch.tensor([[5, 6]])},
+                                      GenerationConfig(max_new_tokens=4), gen_manager=Manager())
+        return [chunk async for chunk in response.body_iterator]
+
+    chunks = asyncio.run(run())
+    assert any(tf.STREAM_ERROR_PREFIX in chunk for chunk in chunks), chunks
+    assert json.loads(chunks[0][len("data: "):])["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_uvicorn_protocol_hooks():
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from hf_mars.serve.command import header_deadline_protocol
+
+    for name in ("connection_made", "handle_events", "on_response_complete", "connection_lost"):
+        assert name in vars(H11Protocol), f"uvicorn's H11Protocol.{name} moved"
+    assert issubclass(header_deadline_protocol(5.0), H11Protocol)
+    source = inspect.getsource(H11Protocol)
+    assert "self.cycle" in source and "response_complete" in source, "uvicorn's request cycle moved"
+
+
+def test_the_tested_versions_are_declared():
+    assert tf.untested_version() is None or "tested with transformers" in tf.untested_version()
+    low, high = tf.TESTED_TRANSFORMERS
+    import re
+
+    floor = re.search(r'"transformers>=([0-9.]+)', open("pyproject.toml").read()).group(1)
+    assert low == floor, "the serving layer's lowest tested transformers is the package's floor"
