@@ -7,18 +7,14 @@ takes several tokens per forward, and its answer does not depend on the prompt's
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
-from servers import free_port, stop_server
 import torch
+from servers import start_mars_server, stop_server
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -153,22 +149,7 @@ def test_cancelled_stream_stops_its_row_only(tiny):
 
 # ------------------------------------------------------------------------------------------ a real server process
 def _start(ckpt, tmp, *flags):
-    port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp / "modules"), OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false")
-    cli = Path(sys.executable).with_name("hf-mars")
-    proc = subprocess.Popen([str(cli), "serve", str(ckpt), "--port", str(port), "--served-model-name", "tiny",
-                             *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 90
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).read()
-            return proc, port
-        except Exception:  # noqa: BLE001 - not listening yet
-            if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
-                pytest.fail("hf-mars serve did not start:\n" + (proc.stdout.read() or "")[-3000:])
-            time.sleep(0.3)
+    return start_mars_server(ckpt, tmp, "--served-model-name", "tiny", *flags)
 
 
 @pytest.fixture(scope="module")

@@ -6,18 +6,14 @@ at once. The model is a position-only GPT-2 with a long context (so one answer c
 """
 
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
-from servers import free_port, stop_server
+from servers import start_mars_server, stop_server
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -51,22 +47,7 @@ def ckpt(tiny, tmp_path_factory):
 
 
 def _start(ckpt, tmp, *flags):
-    port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp / "modules"), OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false")
-    cli = Path(sys.executable).with_name("hf-mars")
-    proc = subprocess.Popen([str(cli), "serve", str(ckpt), "--port", str(port), *flags], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 90
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).read()
-            return proc, port
-        except Exception:  # noqa: BLE001 - not listening yet
-            if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
-                pytest.fail("hf-mars serve did not start:\n" + (proc.stdout.read() or "")[-3000:])
-            time.sleep(0.3)
+    return start_mars_server(ckpt, tmp, *flags)
 
 
 @pytest.fixture(scope="module")

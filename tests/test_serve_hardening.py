@@ -165,6 +165,15 @@ def test_accepted_variants_answer_like_greedy(client, tiny):
 
 
 # ------------------------------------------------------------------------------------- the model's context
+def test_responses_route_answers_and_names_itself(client, tiny):
+    r = _post(client, "/v1/responses", {"input": [{"role": "user", "content": "Reverse: abc"}],
+                                        "max_output_tokens": 12, "temperature": 0, "stream": False})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["id"].startswith("resp_") and not out["id"].startswith("resp_resp_") and out["model"] == "ckpt"
+    assert out["output"][0]["content"][0]["text"] == _greedy(tiny, "Reverse: abc", 12)
+
+
 def test_lengths_are_checked_against_the_models_context(client, tiny):
     model, tok = tiny
     prompt = "Copy: " + "ab" * 40

@@ -18,13 +18,13 @@ from contextlib import asynccontextmanager
 
 from . import _transformers as tf
 from .batching import MARSBatchingManager
+from .errors import HTTPError
 from .ladder import TauLadder
 from .metrics import Metrics
-from .errors import HTTPError
 from .requests import Admission
 
 logger = logging.getLogger(__name__)
-ID_PREFIX = {"chat": "chatcmpl-", "completion": "cmpl-", "response": "resp_"}
+ID_PREFIX = {"chat": "chatcmpl-", "completion": "cmpl-", "response": ""}  # transformers prefixes resp_
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "response"}
 OPEN_PATHS = ("/health",)  # answered without the API key (a load balancer's probe)
 

@@ -22,9 +22,9 @@ import torch
 
 from ..generation import DEFAULT_VERIFY_THRESHOLD
 from . import _transformers as tf
+from .errors import HTTPError
 from .ladder import TauLadder
 from .metrics import Metrics
-from .errors import HTTPError
 
 
 @dataclass

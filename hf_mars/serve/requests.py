@@ -19,7 +19,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..generation import ACCEPTANCE_MODES, check_threshold
 from .errors import HTTPError
 
-
 # --------------------------------------------------------------------------------------------- the schemas
 Number = Annotated[float, Field(allow_inf_nan=False)]
 Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
