@@ -486,11 +486,17 @@ class _MARSDecoder:
                 max_length = crit.max_length if max_length is None else min(max_length, crit.max_length)
             else:
                 other.append(crit)
-        self.other_criteria = _sc.StoppingCriteriaList(other)
         stateful_criteria = [c for c in other if not _is_stateless(c, _STATELESS_CRITERIA)]
-        # with anything stateful, every emitted position is decided in order and batch rows move in lockstep
-        # (the same count per step), so one batched call is every row's exact AR history
-        self.exact = bool(self.stateful_procs or stateful_criteria)
+        # stateful criteria beside no stateful processor need not hold rows together: a criterion decides where a
+        # row stops, never which tokens it gets, so it is called in AR's order behind the rows (`_check_lagging`;
+        # with output_scores it keeps the exact path, which hands it each position's scores)
+        lag = bool(stateful_criteria) and not self.stateful_procs and not (
+            generation_config.return_dict_in_generate and generation_config.output_scores)
+        self.lagging = _sc.StoppingCriteriaList(stateful_criteria) if lag else None
+        self.other_criteria = _sc.StoppingCriteriaList([c for c in other if not (lag and c in stateful_criteria)])
+        # otherwise, with anything stateful, every emitted position is decided in order and batch rows move in
+        # lockstep (the same count per step), so one batched call is every row's exact AR history
+        self.exact = bool(self.stateful_procs or (stateful_criteria and not lag))
         if max_length is None:
             max_length = generation_config.max_length
         if max_length is None:
@@ -600,12 +606,14 @@ class _MARSDecoder:
         self.chunk_start = True
         self.q_drafts = None  # verify + sampling: distributions the pending drafts were drawn from
         self.forwards = [0] * b  # forward passes each row took part in
+        self.checked = 0  # lagging criteria: positions 1..checked have had their AR call
+        self.streamed = [0] * b  # lagging criteria: tokens streamed per row (never past `checked`)
         # Acceptance on the host: when no processor reads the history and nothing but EOS and the length limit
         # stops a row (and verify does not sample), a step needs from the device only each slot's token and
         # whether it clears tau. Those come to the host in the step's one sync; which run to accept, EOS, new
         # drafts and the next chunk's tokens are decided there on short python lists instead of by a few dozen
         # small device ops (each a kernel launch on a GPU). `seq` then holds the prompt only until the end.
-        self.host_accept = (not self.exact and len(self.other_criteria) == 0
+        self.host_accept = (not self.exact and len(self.other_criteria) == 0 and self.lagging is None
                             and all(isinstance(p, _HISTORY_FREE_PROCESSORS) for p in self.processors)
                             and not (opts.verify and self.do_sample))
         self.tokens = [[] for _ in range(b)]  # host acceptance: each row's emitted tokens
@@ -780,6 +788,8 @@ class _MARSDecoder:
         self._commit(plan, keep_cols, accepted, drafts_next, finished, host_tokens)
         if self.compactable and self.cache_attn is not None:
             self._compact_cache()
+        if self.lagging is not None:
+            self._check_lagging()
         return any(self.unfinished)
 
     # ---------------------------------------------------------------- the phases of a step
@@ -1089,7 +1099,36 @@ class _MARSDecoder:
             self.chunk_start = all((not self.unfinished[r]) or self.in_chunk[r] >= self.chunk for r in range(b))
             if self.chunk_start:
                 self.in_chunk = [0] * b
+        if self.streamer is not None and self.lagging is None:  # (lagging criteria: streamed once checked)
+            self._stream(runs)
+
+    def _check_lagging(self):
+        """Stateful stopping criteria (no stateful processor): AR's calls, made behind the rows instead of holding
+        them in lockstep. The call for position t comes once every row still decoding has reached t, on the batch's
+        AR history there (pads after a row that ended before t); a row that ran past a stop it is told of now is
+        cut back to it, as AR would have stopped it. Tokens are streamed only once checked, so nothing streamed
+        is ever taken back."""
+        b, P = self.batch, self.prompt_len
+        while True:
+            going = [self.emitted[r] for r in range(b) if self.unfinished[r]]
+            t = self.checked + 1
+            if t > (min(going) if going else max(self.emitted)):
+                break
+            hit = torch.as_tensor(self.lagging(self.seq[:, :P + t], None), device=self.device).expand(b).tolist()
+            for r in range(b):
+                if hit[r] and self.emitted[r] >= t:  # the row has a token at t: it ends there
+                    if self.emitted[r] > t:
+                        self.seq[r, P + t:self.buf_len] = self.pad
+                        self.emitted[r] = t
+                    self.unfinished[r], self.pending[r] = False, 0
+            self.checked = t
+        if self.block and not self.chunk_start:  # a cut row no longer holds the others' chunk open
+            self.chunk_start = all((not self.unfinished[r]) or self.in_chunk[r] >= self.chunk for r in range(b))
+            if self.chunk_start:
+                self.in_chunk = [0] * b
         if self.streamer is not None:
+            runs = [(self.streamed[r], max(min(self.emitted[r], self.checked) - self.streamed[r], 0)) for r in range(b)]
+            self.streamed = [start + a for start, a in runs]
             self._stream(runs)
 
     # ---------------------------------------------------------------- processing candidates

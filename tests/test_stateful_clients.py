@@ -246,3 +246,101 @@ def test_exact_path_matches_copied_processor_state(peaky):
         replay(out.sequences[:, :P + i], torch.zeros(4, len(tok) + 1))
     _same_calls(replay.calls, proc.calls)
     assert copy.deepcopy(proc).calls[-1].shape == proc.calls[-1].shape
+
+
+class _Collect:
+    """A batch-aware streamer: each row's streamed tokens."""
+
+    def __init__(self, batch):
+        self.rows, self.first = [[] for _ in range(batch)], True
+
+    def put(self, value):
+        if self.first:
+            self.first = False
+            return
+        self.rows[0] += value.reshape(-1).tolist()
+
+    def put_rows(self, rows):
+        for r, tokens in enumerate(rows):
+            self.rows[r] += tokens.tolist()
+
+    def end(self):
+        pass
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("mars_kw", [
+    dict(mars_threshold=1.0),
+    dict(mars_verify=True, mars_threshold=0.0),
+    dict(mars_threshold=1.0, mars_cache="block", mars_cache_block=8),
+    dict(mars_verify=True, mars_threshold=0.5, mars_use_last_mask=True),
+])
+def test_stateful_criterion_alone_lags_behind_ragged_rows(peaky, batch, mars_kw):
+    """A stateful criterion without a stateful processor: AR's calls, one for one, and AR's output, while the rows
+    are not held in lockstep (they take different numbers of tokens per forward); streaming follows the calls."""
+    model, tok = peaky
+    enc = _enc(tok, batch)
+    e = tok.convert_tokens_to_ids("e")
+
+    def run(**kw):
+        crit = StickyCriterion(e)
+        streamer = _Collect(batch)
+        out = model.generate(**enc, max_new_tokens=24, do_sample=False, stopping_criteria=StoppingCriteriaList([crit]),
+                             return_dict_in_generate=True, streamer=streamer, **kw)
+        return out, crit, streamer
+
+    plain, p_crit, _ = run(mars=False)
+    mars, m_crit, streamer = run(**mars_kw)
+    assert torch.equal(plain.sequences, mars.sequences)
+    _same_calls(p_crit.calls, m_crit.calls)
+    P = enc.input_ids.shape[1]
+    for r in range(batch):
+        assert streamer.rows[r] == mars.sequences[r, P:P + int(mars.mars_emitted_tokens[r])].tolist()
+    if mars_kw.get("mars_verify") and mars_kw["mars_threshold"] == 0.0 and model.config.model_type == "gpt2":
+        assert int(mars.mars_emitted_tokens.sum()) > int(mars.mars_forward_passes.sum())
+
+
+def test_lagging_criterion_costs_no_forwards(make_model):
+    """A stateful criterion alone does not hold the batch back: with one that never fires, every row takes the
+    forwards it takes without it (rows stay ragged), where lockstep (the exact path, which output_scores keeps)
+    takes more."""
+    from hf_mars.generation import enable_mars
+
+    model, tok = make_model(seed=1, initializer_range=0.5)
+    enable_mars(model)
+    enc = _enc(tok, 4)
+    kw = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, return_dict_in_generate=True, mars=True,
+              mars_verify=True, mars_threshold=0.0)
+    never = tok.convert_tokens_to_ids("<|mask|>")  # never emitted
+
+    def forwards(**extra):
+        crit = StoppingCriteriaList([StickyCriterion(never)]) if extra.pop("criterion", True) else None
+        out = model.generate(**enc, stopping_criteria=crit, **kw, **extra)
+        return out.mars_forward_passes.tolist(), out.sequences
+
+    free, want = forwards(criterion=False)
+    lagging, got = forwards()
+    lockstep, _ = forwards(output_scores=True)
+    assert torch.equal(got, want)
+    assert lagging == free and len(set(free)) > 1, (lagging, free)  # ragged rows, each at its own pace
+    assert sum(lockstep) > sum(lagging), (lockstep, lagging)
+
+
+@pytest.mark.parametrize("mars_kw", [dict(mars_threshold=0.0), dict(mars_threshold=0.5, mars_use_last_mask=True)])
+def test_lagging_criterion_threshold_mode_sees_the_outputs_history(peaky, mars_kw):
+    """τ < 1: the output may differ from AR's, but the criterion saw AR's calls for that output, rows it stopped end
+    right at the stop, and the stream is the output."""
+    model, tok = peaky
+    enc = _enc(tok, 4)
+    P = enc.input_ids.shape[1]
+    e = tok.convert_tokens_to_ids("e")
+    crit, streamer = StickyCriterion(e), _Collect(4)
+    out = model.generate(**enc, max_new_tokens=24, do_sample=False, stopping_criteria=StoppingCriteriaList([crit]),
+                         return_dict_in_generate=True, streamer=streamer, mars=True, **mars_kw)
+    _calls_follow_output(crit.calls, out.sequences, P, 1)
+    for r in range(4):
+        n = int(out.mars_emitted_tokens[r])
+        row = out.sequences[r, P:P + n].tolist()
+        assert streamer.rows[r] == row
+        if e in row:  # stopped by the criterion at its first `e` (or by EOS / the length limit before it)
+            assert row.index(e) == n - 1
