@@ -11,7 +11,8 @@ same run, and prints tokens per forward and the wall-clock ratio to plain `gener
 - stateful (copyable): a Python processor with state (speculation on deep copies, replayed on the real one);
 - stateful (native): xgrammar's JSON-schema processor, which cannot be copied (threshold mode: one token per
   forward; verify: called on accepted positions only);
-- stateful criterion: an lm-eval-style sticky stop criterion (called on emitted positions only, rows in lockstep).
+- stateful criterion: an lm-eval-style sticky stop criterion (called behind the rows on emitted positions; rows
+  are not held in lockstep).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def main(argv=None):
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--clients", default=None, help="Comma-separated client names to run (default: all).")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tok = _load(args.model)
@@ -88,6 +90,8 @@ def main(argv=None):
         "stateful (native, xgrammar)": lambda: {"logits_processor": LogitsProcessorList([xgr.contrib.hf.LogitsProcessor(compiled)])},
         "stateful criterion": lambda: {"stopping_criteria": StoppingCriteriaList([StickyCriterion(stop_token)])},
     }
+    if args.clients:
+        clients = {name: clients[name] for name in args.clients.split(",")}
     modes = {"plain": {}, "tau=0.5": {"mars_threshold": 0.5}, "tau=0": {"mars_threshold": 0.0},
              "verify": {"mars_verify": True, "mars_threshold": 0.0}}
     rows = []

@@ -8,7 +8,8 @@ Probes (each independent; the server should be idle when it starts):
   decodes (so they wait and batch together): how many of the 6 good ones failed;
 - health under a 10 MB body: the slowest /health answer while a 10 MB chat message is sent;
 - malformed bodies: the status codes of a table of malformed chat bodies (5xx and 422 are findings);
-- abandoned request: tokens the server generated after a non-streaming client hung up (from /metrics);
+- abandoned request: tokens the server generated for a non-streaming 200-token request whose client hung up
+  0.3 s after sending it (from /metrics);
 - stream start: the HTTP status of a stream that cannot start (`max_tokens: 0`), and whether a good stream ends
   with `data: [DONE]`.
 """
@@ -36,8 +37,8 @@ class Probe:
                 return r.status, r.read()
         except urllib.error.HTTPError as e:
             return e.code, e.read()
-        except (ConnectionError, http.client.HTTPException, socket.timeout) as e:
-            return -1, str(e).encode()
+        except (urllib.error.URLError, ConnectionError, http.client.HTTPException, socket.timeout) as e:
+            return -1, str(e).encode()  # e.g. the server answered 413 and closed before the body was sent
 
     def metric(self, name):
         req = urllib.request.Request(self.base + "/metrics", headers=self.headers)
@@ -50,8 +51,8 @@ class Probe:
         return time.perf_counter() - start
 
 
-def chat(text, n, **kw):
-    return {"messages": [{"role": "user", "content": text}], "max_tokens": n, "temperature": 0, **kw}
+def chat(text, max_tokens, **kw):
+    return {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0, **kw}
 
 
 def casualties(p):
@@ -75,14 +76,16 @@ def casualties(p):
 
 
 def health_under_big_body(p):
-    sender = threading.Thread(target=p.post, args=("/v1/chat/completions", chat("x" * 10_000_000, 4)))
+    status = []
+    sender = threading.Thread(target=lambda: status.append(
+        p.post("/v1/chat/completions", chat("x" * 10_000_000, 4))[0]))
     sender.start()
     worst = 0.0
     while sender.is_alive():
         worst = max(worst, p.health_seconds())
         time.sleep(0.05)
     sender.join()
-    return {"worst_health_s": round(worst, 3)}
+    return {"worst_health_s": round(worst, 3), "big_body_status": status[0]}  # -1: closed after an early 413
 
 
 MALFORMED = [{"messages": [{"content": "x"}]}, {"messages": [{"role": 5, "content": "x"}]},
@@ -114,9 +117,9 @@ def abandoned(p):
     sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n{head}Content-Length: {len(body)}\r\n\r\n"
                  .encode() + body)
     time.sleep(0.3)
-    sock.close()
+    sock.close()  # 0.3 s after sending: the answer (200 tokens) is still being decoded
     time.sleep(5)
-    return {"tokens_generated_after_hangup": p.metric("hf_mars_generated_tokens_total") - before}
+    return {"tokens_generated_for_it": p.metric("hf_mars_generated_tokens_total") - before}
 
 
 def stream_start(p):
