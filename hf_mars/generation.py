@@ -1096,11 +1096,15 @@ class _MARSDecoder:
             tail = self.arange[:self.buf_len][None, :] >= (self.prompt_len + emitted_t)[:, None]
             self.seq[:, :self.buf_len].masked_fill_(fin_t[:, None] & tail, self.pad)
         if self.block:
-            self.chunk_start = all((not self.unfinished[r]) or self.in_chunk[r] >= self.chunk for r in range(b))
-            if self.chunk_start:
-                self.in_chunk = [0] * b
+            self._start_chunk_if_filled()
         if self.streamer is not None and self.lagging is None:  # (lagging criteria: streamed once checked)
             self._stream(runs)
+
+    def _start_chunk_if_filled(self):
+        """Block cache: a new chunk starts once every row still decoding has filled the current one."""
+        self.chunk_start = all((not self.unfinished[r]) or self.in_chunk[r] >= self.chunk for r in range(self.batch))
+        if self.chunk_start:
+            self.in_chunk = [0] * self.batch
 
     def _check_lagging(self):
         """Stateful stopping criteria (no stateful processor): AR's calls, made behind the rows instead of holding
@@ -1123,9 +1127,7 @@ class _MARSDecoder:
                     self.unfinished[r], self.pending[r] = False, 0
             self.checked = t
         if self.block and not self.chunk_start:  # a cut row no longer holds the others' chunk open
-            self.chunk_start = all((not self.unfinished[r]) or self.in_chunk[r] >= self.chunk for r in range(b))
-            if self.chunk_start:
-                self.in_chunk = [0] * b
+            self._start_chunk_if_filled()
         if self.streamer is not None:
             runs = [(self.streamed[r], max(min(self.emitted[r], self.checked) - self.streamed[r], 0)) for r in range(b)]
             self.streamed = [start + a for start, a in runs]

@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 import torch
-from servers import start_mars_server, stop_server
+from servers import save_checkpoint, start_mars_server, stop_server
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -154,13 +154,8 @@ def _start(ckpt, tmp, *flags):
 
 @pytest.fixture(scope="module")
 def checkpoint(tiny, tmp_path_factory):
-    from hf_mars import save_for_hub
-    from hf_mars.tokens import set_mars_metadata
-
-    model, tok = tiny
-    set_mars_metadata(model.config, block_size=4, trained_steps=1)
     tmp = tmp_path_factory.mktemp("mars-serve")
-    return save_for_hub(model, tok, tmp / "ckpt"), tmp
+    return save_checkpoint(*tiny, tmp / "ckpt"), tmp
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import time
 import urllib.request
 
 import pytest
-from servers import start_mars_server, stop_server
+from servers import save_checkpoint, start_mars_server, stop_server
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -37,13 +37,8 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def ckpt(tiny, tmp_path_factory):
-    from hf_mars import save_for_hub
-    from hf_mars.tokens import set_mars_metadata
-
-    model, tok = tiny
-    set_mars_metadata(model.config, block_size=4, trained_steps=1)
     tmp = tmp_path_factory.mktemp("clients")
-    return save_for_hub(model, tok, tmp / "ckpt"), tmp
+    return save_checkpoint(*tiny, tmp / "ckpt"), tmp
 
 
 def _start(ckpt, tmp, *flags):

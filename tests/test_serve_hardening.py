@@ -38,12 +38,9 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def ckpt(tiny, tmp_path_factory):
-    from hf_mars import save_for_hub
-    from hf_mars.tokens import set_mars_metadata
+    from servers import save_checkpoint
 
-    model, tok = tiny
-    set_mars_metadata(model.config, block_size=4, trained_steps=1)
-    return save_for_hub(model, tok, tmp_path_factory.mktemp("hardening") / "ckpt")
+    return save_checkpoint(*tiny, tmp_path_factory.mktemp("hardening") / "ckpt")
 
 
 def _app(ckpt, **kw):

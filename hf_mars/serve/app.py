@@ -173,6 +173,113 @@ async def _unless_disconnected(task, request):
         watcher.cancel()
 
 
+class _Answering:
+    """The three generating routes: parse the body, hand it to transformers' handler, watch the client, and hold
+    a stream's headers until its first tokens."""
+
+    def __init__(self, handlers, admission, manager):
+        self.handlers, self.admission, self.manager = handlers, admission, manager
+
+    def endpoint(self, route: str):
+        from fastapi import Request
+
+        async def answer(request: Request):
+            return await self.answer(route, request)
+
+        return answer
+
+    async def answer(self, route, request):
+        from fastapi.responses import Response, StreamingResponse
+
+        manager = self.manager
+        request_id = ID_PREFIX[route] + uuid.uuid4().hex
+        body = self.admission.parse(route, await request.body())
+        try:
+            task = asyncio.ensure_future(self.handlers[route].handle_request(body, request_id))
+            try:
+                response = await _unless_disconnected(task, request)
+            except Exception as e:  # noqa: BLE001 - a refusal (4xx), or an internal error answered as a 500
+                raise _as_http_error(e) from e
+            job = manager.job_for(request_id)
+        finally:
+            manager.jobs.pop(request_id, None)
+        if response is None:  # the client went away: nobody reads this
+            return Response(status_code=499)
+        if isinstance(response, StreamingResponse) and job is not None:
+            return await self._stream(route, response, job, request)
+        return response
+
+    @staticmethod
+    async def _stream(route, response, job, request):
+        """Hold the headers until the first tokens (or the failure), then stream; errors as OpenAI events."""
+        from fastapi.responses import Response, StreamingResponse
+
+        waiting = asyncio.ensure_future(job.started.wait())
+        if await _unless_disconnected(waiting, request) is None:
+            job.gone.set()
+            await response.body_iterator.aclose()
+            return Response(status_code=499)
+        if job.error is not None and not job.streamed:
+            await response.body_iterator.aclose()
+            raise _as_http_error(job.error)
+        chat_like = route != "response"  # the Responses API streams typed events, without [DONE]
+
+        async def events():
+            inner = response.body_iterator
+            try:
+                async for chunk in inner:
+                    head, marker, _ = chunk.partition(tf.STREAM_ERROR_PREFIX)
+                    if marker and chat_like:
+                        yield head + _error_event(job.error or RuntimeError("generation failed"))
+                        break
+                    yield chunk
+                if chat_like:
+                    yield "data: [DONE]\n\n"
+            finally:
+                await inner.aclose()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _install_error_handlers(app):
+    """Every error the app answers is in OpenAI's shape."""
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(HTTPError)
+    async def _refused(_request, exc: HTTPError):
+        return openai_error(exc.status, exc.message, exc.code, exc.param, exc.retry_after)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_exception(_request, exc):
+        what = {404: "No such route on this server.", 405: "This route does not take that method."}
+        return openai_error(exc.status_code, what.get(exc.status_code, str(exc.detail)),
+                            {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code))
+
+    @app.exception_handler(Exception)
+    async def _internal(_request, exc):
+        err = _as_http_error(exc)
+        return openai_error(err.status, err.message, err.code, err.param)
+
+
+def _add_admin_routes(app, manager, models, model: str, name: str, served_names: set):
+    """`--enable-admin`: reload or unload the served model (on the decode thread, between batches)."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+
+    @app.post("/load_model")
+    async def _load_model(request: Request):
+        body = json.loads(await request.body() or b"{}")
+        if not isinstance(body, dict) or body.get("model") not in served_names:
+            raise HTTPError(404, f"This server serves {name!r} only.", "model_not_found", "model")
+        await manager.async_submit(lambda: models.load_model_and_processor(models.process_model_name(model)))
+        return JSONResponse({"status": "ok", "model": name})
+
+    @app.post("/reset")
+    async def _reset():
+        await manager.async_submit(models.shutdown)  # never under a running generate
+        return JSONResponse({"status": "ok"})
+
+
 def build_app(model: str, ladder: TauLadder, *, served_model_name: str | None = None, lossless: bool = False,
               max_batch_size: int = 8, max_queue: int = 256, max_prompt_tokens: int = 4096,
               max_tokens_limit: int = 1024, api_key: str | None = None, device: str = "auto", dtype: str = "auto",
@@ -180,10 +287,9 @@ def build_app(model: str, ladder: TauLadder, *, served_model_name: str | None = 
               public_metrics: bool = False, max_body_bytes: int = 1 << 20, read_timeout: float = 30.0,
               template_timeout: float = 10.0, trust_request_chat_template: bool = False):
     """The FastAPI app: transformers serve's handlers on a `MARSBatchingManager`, behind our guard."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from fastapi import FastAPI
+    from fastapi.responses import Response
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-    from starlette.exceptions import HTTPException as StarletteHTTPException
     from starlette.routing import Match
 
     from ..generation import enable_mars
@@ -220,74 +326,10 @@ def build_app(model: str, ladder: TauLadder, *, served_model_name: str | None = 
     app.add_middleware(Guard, api_key=api_key, public_metrics=public_metrics, max_body_bytes=max_body_bytes,
                        read_timeout=read_timeout, metrics=metrics, route_of=route_of)
 
-    @app.exception_handler(HTTPError)
-    async def _refused(_request, exc: HTTPError):
-        return openai_error(exc.status, exc.message, exc.code, exc.param, exc.retry_after)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_exception(_request, exc):
-        what = {404: "No such route on this server.", 405: "This route does not take that method."}
-        return openai_error(exc.status_code, what.get(exc.status_code, str(exc.detail)),
-                            {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code))
-
-    @app.exception_handler(Exception)
-    async def _internal(_request, exc):
-        err = _as_http_error(exc)
-        return openai_error(err.status, err.message, err.code, err.param)
-
-    async def generate(route: str, request: Request):
-        request_id = ID_PREFIX[route] + uuid.uuid4().hex
-        body = admission.parse(route, await request.body())
-        try:
-            task = asyncio.ensure_future(handlers[route].handle_request(body, request_id))
-            try:
-                response = await _unless_disconnected(task, request)
-            except Exception as e:  # noqa: BLE001 - a refusal (4xx), or an internal error answered as a 500
-                raise _as_http_error(e) from e
-            job = manager.job_for(request_id)
-        finally:
-            manager.jobs.pop(request_id, None)
-        if response is None:  # the client went away: nobody reads this
-            return Response(status_code=499)
-        if isinstance(response, StreamingResponse) and job is not None:
-            return await _stream(route, response, job, request)
-        return response
-
-    async def _stream(route, response, job, request):
-        """Hold the headers until the first tokens (or the failure), then stream; errors as OpenAI events."""
-        waiting = asyncio.ensure_future(job.started.wait())
-        if await _unless_disconnected(waiting, request) is None:
-            job.gone.set()
-            await response.body_iterator.aclose()
-            return Response(status_code=499)
-        if job.error is not None and not job.streamed:
-            await response.body_iterator.aclose()
-            raise _as_http_error(job.error)
-        chat_like = route != "response"
-
-        async def events():
-            inner = response.body_iterator
-            try:
-                async for chunk in inner:
-                    head, marker, _ = chunk.partition(tf.STREAM_ERROR_PREFIX)
-                    if marker and chat_like:
-                        yield head + _error_event(job.error or RuntimeError("generation failed"))
-                        break
-                    yield chunk
-                if chat_like:
-                    yield "data: [DONE]\n\n"
-            finally:
-                await inner.aclose()
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    def endpoint(route):
-        async def answer(request: Request):
-            return await generate(route, request)
-        return answer
-
+    _install_error_handlers(app)
+    answering = _Answering(handlers, admission, manager)
     for path, route in ROUTES.items():
-        app.add_api_route(path, endpoint(route), methods=["POST"])
+        app.add_api_route(path, answering.endpoint(route), methods=["POST"])
 
     def model_card():
         return {"id": name, "object": "model", "created": 0, "owned_by": "hf-mars"}
@@ -311,17 +353,5 @@ def build_app(model: str, ladder: TauLadder, *, served_model_name: str | None = 
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     if enable_admin:
-        @app.post("/load_model")
-        async def _load_model(request: Request):
-            body = json.loads(await request.body() or b"{}")
-            if not isinstance(body, dict) or body.get("model") not in admission.served_names:
-                raise HTTPError(404, f"This server serves {name!r} only.", "model_not_found", "model")
-            await manager.async_submit(lambda: models.load_model_and_processor(models.process_model_name(model)))
-            return JSONResponse({"status": "ok", "model": name})
-
-        @app.post("/reset")
-        async def _reset():
-            await manager.async_submit(models.shutdown)  # between batches: never under a running generate
-            return JSONResponse({"status": "ok"})
-
+        _add_admin_routes(app, manager, models, model, name, admission.served_names)
     return app
