@@ -49,3 +49,52 @@ def compile_on_any_device(compile_config):
     auto-compilation to accelerators otherwise)."""
     compile_config._compile_all_devices = True
     return compile_config
+
+
+def load_balancing_loss(model):
+    """A MoE model's own router load-balancing loss (``load_balancing_loss_func`` of its modeling module; transformers
+    exports no public one). MARSTrainer applies it to the clean stream's router logits only."""
+    import sys
+
+    return getattr(sys.modules[type(model).__module__], "load_balancing_loss_func")
+
+
+def trl_lm_collator():
+    """TRL's ``DataCollatorForLanguageModeling``, SFTTrainer's default collator, which `MARSDataCollator` extends and
+    `MARSTrainer` replaces; TRL exports it only from ``trl.trainer.sft_trainer``."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    return DataCollatorForLanguageModeling
+
+
+def trl_load_model(model_id: str, args, quantization_config=None):
+    """Load a model given by name as SFTTrainer does (``trl.trainer.utils.create_model_from_path`` with
+    ``args.model_init_kwargs``); return ``(model, revision)``.
+
+    SFTTrainer loads a named model inside ``__init__`` and hands it to PEFT a few lines later, with no overridable
+    method in between, while the mask token must be in the embeddings before PEFT wraps them. So `MARSTrainer` loads
+    the model here first and gives SFTTrainer the instance; ``args.model_init_kwargs`` is consumed (SFTTrainer would
+    warn that it is ignored for an instance)."""
+    from transformers import set_seed
+    from trl.trainer.utils import create_model_from_path
+
+    set_seed(args.seed)  # as SFTTrainer: a PEFT adapter is initialised at random right after
+    kwargs = dict(args.model_init_kwargs or {})
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
+    if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
+        kwargs["device_map"] = None  # a device map of "auto" fails under a distributed launcher
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    model = create_model_from_path(model_id, **kwargs)
+    args.model_init_kwargs = None
+    return model, kwargs.get("revision")
+
+
+def trl_processing_class(model, args, revision=None):
+    """The processing class SFTTrainer loads when none is given: ``AutoProcessor`` of the model's name or path
+    (``trl.trainer.utils.get_config_model_id``). The mask token goes into it before SFTTrainer sees it."""
+    from transformers import AutoProcessor
+    from trl.trainer.utils import get_config_model_id
+
+    return AutoProcessor.from_pretrained(get_config_model_id(model.config), revision=revision,
+                                         trust_remote_code=args.trust_remote_code)

@@ -1,4 +1,5 @@
-"""MARS training on TRL: `MARSConfig` (an `SFTConfig`), `MARSDataCollator` and `MARSTrainer` (an `SFTTrainer`).
+"""MARS training on TRL: `MARSTrainer` (an `SFTTrainer`), with `MARSConfig` (an `SFTConfig`, in config.py) and
+`MARSDataCollator` (collator.py), both importable from here too.
 
 The trainer keeps everything SFTTrainer does (dataset formats, completion-only / assistant-only loss,
 packing, padding-free, PEFT, accelerate launchers) and replaces the loss by the MARS objective
@@ -8,224 +9,35 @@ targets, ``L = noisy CE + ar_weight * clean CE`` under "sequence" or "token" nor
 
 from __future__ import annotations
 
-import dataclasses
-
-import math
-
 import os
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase, ProcessorMixin
-from trl import SFTConfig, SFTTrainer
-from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+from trl import SFTTrainer
 
+from ._compat import (
+    attn_implementation,
+    load_balancing_loss,
+    router_logits_recorder,
+    trl_count_train_tokens,
+    trl_lm_collator,
+    trl_load_model,
+    trl_metrics,
+    trl_processing_class,
+)
+from .collator import MARSDataCollator
+from .config import MARSConfig, checkpointing_argument  # noqa: F401  (both importable from here, as before)
 from .masking import (
     build_model_mars_mask,
-    model_attention_layout,
     build_noisy_input_ids,
+    model_attention_layout,
     positions_from_attention_mask,
     sequence_ids_from_positions,
     shift_labels_for_positions,
 )
-from ._compat import attn_implementation, router_logits_recorder, trl_count_train_tokens, trl_metrics
-from .generation import check_block_size
-from .tokens import DEFAULT_MASK_TOKEN, add_mask_token, set_mars_metadata
+from .tokens import add_mask_token, set_mars_metadata
 
 __all__ = ["MARSConfig", "MARSDataCollator", "MARSTrainer"]
-
-_NORMALIZATIONS = ("sequence", "token")
-
-
-def _fast_bf16_available(use_cpu: bool) -> bool:
-    """bf16 autocast pays off on CUDA GPUs with native bf16 (Ampere+) and Intel XPUs, not on CPUs."""
-    if use_cpu:
-        return False
-    if torch.cuda.is_available():
-        return bool(torch.cuda.is_bf16_supported())
-    return bool(hasattr(torch, "xpu") and torch.xpu.is_available())
-
-
-def _accelerator_available(use_cpu: bool) -> bool:
-    if use_cpu:
-        return False
-    return torch.cuda.is_available() or bool(hasattr(torch, "xpu") and torch.xpu.is_available())
-
-
-@dataclass
-class MARSConfig(SFTConfig):
-    r"""
-    Configuration class for the [`MARSTrainer`].
-
-    Extends [`~trl.SFTConfig`] (every SFT option keeps its meaning) with the parameters of the MARS objective: the
-    model input is ``[z ; x]`` where the noisy stream ``z`` is ``x`` with every trained position replaced by the mask
-    token, the attention follows the MARS block rule, and the loss is ``noisy CE + ar_weight * clean CE``.
-
-    Parameters:
-        > Parameters that control the MARS objective
-
-        block_size (`int`, *optional*, defaults to `4`):
-            Block size `B`: the number of future tokens the model learns to predict from mask tokens in one forward
-            pass. Position `p` belongs to block `p // B`, counted from the start of its own sequence. The paper
-            uses 4 (also 8 and 16). Recorded in the saved `config.json` under `mars.block_size`, so generation
-            defaults to it.
-        ar_weight (`float`, *optional*, defaults to `1.0`):
-            Weight `α` of the AR (clean-stream) loss, which is exactly the ordinary SFT loss. With `0.0` the AR
-            quality decays as `block_size` grows; the paper uses `1.0`.
-        mask_token (`str` or `None`, *optional*, defaults to `None`):
-            The mask token. `None`: the tokenizer's own registered mask token when it has one (Gemma's `<mask>`),
-            else `"<|mask|>"`. Added to the tokenizer (and a row to the embeddings, initialised at the mean
-            embedding) when absent. A token the tokenizer already uses for anything else (EOS, padding, BOS, chat
-            markers, ordinary vocabulary) or a plain word is refused, with the role it has.
-        loss_normalization (`str`, *optional*, defaults to `"sequence"`):
-            How the summed token losses are normalised. `"sequence"` (the reference): each sequence's loss is
-            divided by its number of trained tokens, then averaged over the sequences of the batch (with packing,
-            over the packed sequences). `"token"`: divided by the number of trained tokens in the batch. Both are
-            exact under gradient accumulation and data parallelism (the denominator is counted over the whole
-            accumulated, all-process batch).
-        pad_to_block_multiple (`bool`, *optional*, defaults to `True`):
-            Whether the data collator pads every example (every packed sequence, with packing) with trained EOS
-            tokens up to a multiple of `block_size`, as the reference does, so that the model learns that EOS
-            follows EOS and the last block is complete. A sequence may then exceed `max_length` by up to
-            `block_size - 1` tokens.
-
-        > Defaults that differ from [`~trl.SFTConfig`]
-
-        bf16 (`bool`, *optional*):
-            Whether to use bf16 mixed precision. If not set, it is `True` only where bf16 is fast: a CUDA GPU with
-            native bf16 support or an Intel XPU (and `fp16` is not set). On CPU it defaults to `False`, unlike
-            SFTConfig: bf16 autocast made a tiny-model step about 8x slower on a 2-core CPU.
-        gradient_checkpointing (`bool`, *optional*):
-            Whether to trade compute for memory by recomputing activations (`activation_checkpointing` in
-            transformers >= 5.24, of which this is the deprecated alias). If neither is set, it is `True` on a GPU/XPU
-            (MARS sequences are twice as long, so activations double) and `False` on CPU, where memory is rarely the
-            limit and the recomputation costs ~20% of the step.
-        dataloader_pin_memory (`bool`, *optional*):
-            Whether to pin the dataloader's host memory. If not set, it is `True` only where there is an accelerator
-            to copy to; on CPU pinning does nothing and torch warns that it does nothing.
-    """
-
-    block_size: int = field(
-        default=4,
-        metadata={"help": "Block size B: the number of future tokens predicted from mask tokens per forward pass."},
-    )
-    ar_weight: float = field(
-        default=1.0,
-        metadata={"help": "Weight of the AR (clean-stream) loss added to the noisy-stream (mask) loss."},
-    )
-    mask_token: str | None = field(
-        default=None,
-        metadata={"help": "The mask token. Default: the tokenizer's own registered mask token if it has one, else "
-                  f"{DEFAULT_MASK_TOKEN!r}, added to the tokenizer and embeddings. A token the tokenizer already uses "
-                  "for anything else is refused."},
-    )
-    loss_normalization: str = field(
-        default="sequence",
-        metadata={
-            "help": "'sequence': per-sequence mean over its trained tokens, then mean over sequences (reference). "
-            "'token': sum over the batch divided by its trained-token count.",
-            "choices": list(_NORMALIZATIONS),
-        },
-    )
-    pad_to_block_multiple: bool = field(
-        default=True,
-        metadata={"help": "Pad every example with trained EOS tokens up to a multiple of block_size."},
-    )
-    bf16: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Whether to use bf16 mixed precision. If not set: True on a GPU with native bf16 or an XPU, "
-            "False on CPU (bf16 autocast is slow there)."
-        },
-    )
-    gradient_checkpointing: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Recompute activations in the backward pass to save memory. If not set: True on a GPU/XPU, "
-            "False on CPU."
-        },
-    )
-
-    dataloader_pin_memory: bool | None = field(
-        default=None,
-        metadata={"help": "Pin the dataloader's host memory. If not set: True when an accelerator is used, False on "
-                  "CPU (where pinning does nothing)."},
-    )
-
-    def __post_init__(self):
-        check_block_size(self.block_size, "block_size")
-        if self.ar_weight is None or not math.isfinite(float(self.ar_weight)) or float(self.ar_weight) < 0:
-            raise ValueError(f"ar_weight must be a finite number >= 0 (the paper uses 1.0), got {self.ar_weight!r}.")
-        self.ar_weight = float(self.ar_weight)
-        if self.loss_normalization not in _NORMALIZATIONS:
-            raise ValueError(
-                f"loss_normalization must be one of {_NORMALIZATIONS}, got {self.loss_normalization!r}."
-            )
-        if self.mask_token is not None and (not isinstance(self.mask_token, str) or not self.mask_token):
-            raise ValueError("mask_token must be a non-empty string, e.g. '<|mask|>' (or None for the default).")
-        if self.loss_type not in ("nll", "chunked_nll"):
-            raise ValueError(
-                f"MARSTrainer computes its own objective; loss_type={self.loss_type!r} is not supported. Leave "
-                "loss_type at 'nll'."
-            )
-        if self.bf16 is None:
-            self.bf16 = (not self.fp16) and _fast_bf16_available(self.use_cpu)
-        if self.gradient_checkpointing is None and getattr(self, "activation_checkpointing", None) is None:
-            # transformers >= 5.24 names it activation_checkpointing (gradient_checkpointing is its deprecated alias)
-            if hasattr(self, "activation_checkpointing"):
-                self.activation_checkpointing = _accelerator_available(self.use_cpu)
-            else:
-                self.gradient_checkpointing = _accelerator_available(self.use_cpu)
-        if self.dataloader_pin_memory is None:
-            self.dataloader_pin_memory = _accelerator_available(self.use_cpu)
-        super().__post_init__()
-
-
-def checkpointing_argument(config_cls, enabled: bool) -> dict:
-    """``{name: enabled}`` for activation checkpointing under the name the installed transformers uses:
-    ``activation_checkpointing`` from 5.24 (``gradient_checkpointing`` is its deprecated alias there, and
-    warns), ``gradient_checkpointing`` before."""
-    names = {f.name for f in dataclasses.fields(config_cls)}
-    return {"activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing": enabled}
-
-
-@dataclass
-class MARSDataCollator(DataCollatorForLanguageModeling):
-    """`DataCollatorForLanguageModeling` that first pads each example to a multiple of the block size.
-
-    The padding is trained EOS (label = EOS), per packed sequence when the example carries
-    ``seq_lengths``. Doing it here (not in the loss) keeps the dataloader batch identical to what
-    `MARSTrainer.compute_loss` consumes, and lets the token count for gradient accumulation see it.
-    """
-
-    block_size: int = 4
-    eos_token_id: int | None = None
-    pad_to_block_multiple: bool = True
-
-    def _pad_example(self, example: dict[str, Any]) -> dict[str, Any]:
-        ids = list(example["input_ids"])
-        labels = list(example["labels"]) if "labels" in example else list(ids)
-        lengths = list(example["seq_lengths"]) if "seq_lengths" in example else [len(ids)]
-        new_ids, new_labels, new_lengths, start = [], [], [], 0
-        for length in lengths:
-            extra = (-length) % self.block_size
-            new_ids += ids[start:start + length] + [self.eos_token_id] * extra
-            new_labels += labels[start:start + length] + [self.eos_token_id] * extra
-            new_lengths.append(length + extra)
-            start += length
-        out = dict(example)
-        out["input_ids"], out["labels"] = new_ids, new_labels
-        if "seq_lengths" in example:
-            out["seq_lengths"] = new_lengths
-        return out
-
-    def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        if self.pad_to_block_multiple and self.block_size > 1:
-            if self.eos_token_id is None:
-                raise ValueError("MARSDataCollator needs eos_token_id to pad examples to a block multiple.")
-            examples = [self._pad_example(example) for example in examples]
-        return super().torch_call(examples)
 
 
 def _has_trainable_token(dataset) -> bool:
@@ -268,14 +80,73 @@ class _RouterLogits:
         self.handles = []
 
     def clean_stream_loss(self, model, n, valid):
-        import sys
-
         config = model.config.get_text_config()
-        loss_fn = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func")
+        loss_fn = load_balancing_loss(model)
         b = valid.shape[0]
         clean = tuple(logits.reshape(b, 2 * n, -1)[:, n:].reshape(b * n, -1) for logits in self.logits)
         experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
         return loss_fn(clean, experts, config.num_experts_per_tok, valid.long())
+
+
+def _as_mars_config(model, args) -> MARSConfig:
+    """``args`` as a MARSConfig: a default one named after the model, or any TrainingArguments converted."""
+    if args is None:
+        name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model") or "model"
+        return MARSConfig(f"{str(name).rstrip('/').split('/')[-1]}-MARS")
+    if not isinstance(args, MARSConfig):
+        dict_args = args.to_dict()
+        dict_args["hub_token"] = args.hub_token  # to_dict hides it
+        return MARSConfig(**dict_args)
+    return args
+
+
+def _tokenizer_of(processing_class):
+    if isinstance(processing_class, ProcessorMixin):
+        return processing_class.tokenizer
+    if isinstance(processing_class, PreTrainedTokenizerBase):
+        return processing_class
+    raise TypeError("processing_class must be a PreTrainedTokenizerBase or a ProcessorMixin.")
+
+
+def _train_new_token_with_peft(peft_config, token_id: int) -> None:
+    """A LoRA adapter would otherwise leave the new mask embedding frozen at its initial value."""
+    if not hasattr(peft_config, "trainable_token_indices"):
+        return
+    indices = peft_config.trainable_token_indices
+    if indices is None:
+        peft_config.trainable_token_indices = {"embed_tokens": [token_id]}
+    elif isinstance(indices, dict):
+        indices.setdefault("embed_tokens", [])
+        if token_id not in indices["embed_tokens"]:
+            indices["embed_tokens"].append(token_id)
+
+
+def _check_architecture(model, args: MARSConfig) -> None:
+    """Refuse, before any step, a model or attention backend the MARS rule cannot be expressed in."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"MARS trains decoder-only causal LMs; {model.config.model_type!r} is encoder-decoder.")
+    model_attention_layout(model.config)  # refuses layer types the MARS rule cannot express
+    attn = attn_implementation(model.config)
+    if "flash" in attn or attn == "paged_attention":
+        raise ValueError(
+            f"attn_implementation={attn!r} cannot express the MARS attention rule (a 2n x 2n mask). Load the "
+            "model with attn_implementation='sdpa' (default), 'eager' or 'flex_attention'."
+        )
+    if attn == "flex_attention" and args.device.type == "cpu":
+        raise ValueError(
+            f"flex_attention has no backward pass on CPU (torch {torch.__version__}), so it cannot train here. "
+            "Use attn_implementation='sdpa' on CPU; flex_attention (BlockMask, skips masked tiles) on GPU."
+        )
+
+
+def _mars_collator(base, args: MARSConfig, tokenizer) -> MARSDataCollator:
+    """SFTTrainer's default collator, as built (padding-free, position ids, ...), plus the block-multiple padding."""
+    return MARSDataCollator(
+        pad_token_id=base.pad_token_id, padding_free=base.padding_free,
+        return_position_ids=base.return_position_ids, pad_to_multiple_of=base.pad_to_multiple_of,
+        return_tensors=base.return_tensors, block_size=args.block_size, eos_token_id=tokenizer.eos_token_id,
+        pad_to_block_multiple=args.pad_to_block_multiple,
+    )
 
 
 class MARSTrainer(SFTTrainer):
@@ -293,52 +164,40 @@ class MARSTrainer(SFTTrainer):
 
     def __init__(self, model, args: MARSConfig | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, peft_config=None, **kwargs):
-        if args is None:
-            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model") or "model"
-            args = MARSConfig(f"{str(name).rstrip('/').split('/')[-1]}-MARS")
-        elif not isinstance(args, MARSConfig):
-            dict_args = args.to_dict()
-            dict_args["hub_token"] = args.hub_token
-            args = MARSConfig(**dict_args)
+        args = _as_mars_config(model, args)
         if kwargs.get("compute_loss_func") is not None:
             raise ValueError("MARSTrainer computes the MARS objective itself; compute_loss_func is not supported.")
+        revision = None
+        if isinstance(model, str):  # the mask token needs the model itself (see `_prepare_mars_model`)
+            model, revision = trl_load_model(model, args, kwargs.pop("quantization_config", None))
+        if processing_class is None:
+            processing_class = trl_processing_class(model, args, revision)
+        self._prepare_mars_model(model, processing_class, args, train_dataset, peft_config)
+        super().__init__(model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class, peft_config=peft_config,
+                         **kwargs)
+        if data_collator is None and type(self.data_collator) is trl_lm_collator():
+            self.data_collator = _mars_collator(self.data_collator, args, _tokenizer_of(processing_class))
+        if not _has_trainable_token(self.train_dataset):
+            raise ValueError(
+                "The training dataset has no trainable token (every label is -100 after preparation), so the MARS "
+                "loss would be empty. Check completion_only_loss / assistant_only_loss (an assistant-only loss needs "
+                "a chat template with {% generation %} markers), or that examples are not truncated away by "
+                "max_length."
+            )
+        # summed metric counters per mode, turned into ratios at log time
+        self._mars_sums: dict[str, torch.Tensor | None] = {"train": None, "eval": None}
 
-        # The model must exist (and have the mask token) before SFTTrainer wraps it (PEFT, accelerate).
-        if isinstance(model, str):
-            from transformers import set_seed
-            from trl.trainer.utils import create_model_from_path
+    def _prepare_mars_model(self, model, processing_class, args: MARSConfig, train_dataset, peft_config) -> None:
+        """The MARS set-up of the model and tokenizer, run before `SFTTrainer.__init__` sees either.
 
-            set_seed(args.seed)
-            model_init_kwargs = dict(args.model_init_kwargs or {})
-            if kwargs.get("quantization_config") is not None:
-                model_init_kwargs["quantization_config"] = kwargs.pop("quantization_config")
-            if args.distributed_state.distributed_type in ["MULTI_GPU", "DEEPSPEED"]:
-                model_init_kwargs["device_map"] = None
-            model_init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-            model_id = model
-            model = create_model_from_path(model_id, **model_init_kwargs)
-            args.model_init_kwargs = None  # consumed here; SFTTrainer would warn that they are ignored
-            if processing_class is None:
-                from transformers import AutoProcessor
-
-                processing_class = AutoProcessor.from_pretrained(
-                    model_id, revision=model_init_kwargs.get("revision"), trust_remote_code=args.trust_remote_code
-                )
-        elif processing_class is None:
-            from transformers import AutoProcessor
-            from trl.trainer.utils import get_config_model_id
-
-            processing_class = AutoProcessor.from_pretrained(get_config_model_id(model.config),
-                                                             trust_remote_code=args.trust_remote_code)
-        if isinstance(processing_class, ProcessorMixin):
-            tokenizer = processing_class.tokenizer
-        elif isinstance(processing_class, PreTrainedTokenizerBase):
-            tokenizer = processing_class
-        else:
-            raise TypeError("processing_class must be a PreTrainedTokenizerBase or a ProcessorMixin.")
-
-        eos_token = args.eos_token or tokenizer.eos_token
-        if eos_token is None:
+        Adds the mask token (tokenizer entry and embedding row), records ``config.mars``, makes a PEFT adapter train
+        the new row, and refuses what MARS cannot train before any data is prepared. It must run before
+        SFTTrainer.__init__: that method wraps the model in PEFT right after loading it, with no overridable method
+        in between (the first it calls, ``_prepare_dataset``, comes after the wrap), so this is the one hook.
+        """
+        tokenizer = _tokenizer_of(processing_class)
+        if (args.eos_token or tokenizer.eos_token) is None:
             raise ValueError(
                 "MARS needs an EOS token (examples are padded with trained EOS up to a multiple of block_size, and "
                 "text datasets get EOS appended), but the tokenizer has none. Set `tokenizer.eos_token` (e.g. to "
@@ -350,61 +209,13 @@ class MARSTrainer(SFTTrainer):
                 raise ValueError("The training dataset is empty: MARS needs examples with trainable tokens.")
             if "image" in sample or "images" in sample:
                 raise ValueError("MARSTrainer supports text datasets only (no image/images columns).")
-
         vocab_before = len(tokenizer)
         self.mask_token_id = add_mask_token(model, tokenizer, args.mask_token)
-        if peft_config is not None and len(tokenizer) > vocab_before and hasattr(peft_config, "trainable_token_indices"):
-            # a LoRA adapter would otherwise leave the new mask embedding frozen at its initial value
-            indices = peft_config.trainable_token_indices
-            if indices is None:
-                peft_config.trainable_token_indices = {"embed_tokens": [self.mask_token_id]}
-            elif isinstance(indices, dict):
-                indices.setdefault("embed_tokens", [])
-                if self.mask_token_id not in indices["embed_tokens"]:
-                    indices["embed_tokens"].append(self.mask_token_id)
+        if peft_config is not None and len(tokenizer) > vocab_before:
+            _train_new_token_with_peft(peft_config, self.mask_token_id)
         set_mars_metadata(model.config, block_size=int(args.block_size), mask_token_id=int(self.mask_token_id),
                           mask_token=tokenizer.convert_ids_to_tokens(self.mask_token_id), ar_weight=float(args.ar_weight))
-
-        if getattr(model.config, "is_encoder_decoder", False):
-            raise ValueError(f"MARS trains decoder-only causal LMs; {model.config.model_type!r} is encoder-decoder.")
-        model_attention_layout(model.config)  # refuses layer types the MARS rule cannot express, before any step
-        attn = attn_implementation(model.config)
-        if "flash" in attn or attn == "paged_attention":
-            raise ValueError(
-                f"attn_implementation={attn!r} cannot express the MARS attention rule (a 2n x 2n mask). Load the "
-                "model with attn_implementation='sdpa' (default), 'eager' or 'flex_attention'."
-            )
-
-        if attn == "flex_attention" and args.device.type == "cpu":
-            raise ValueError(
-                f"flex_attention has no backward pass on CPU (torch {torch.__version__}), so it cannot train here. "
-                "Use attn_implementation='sdpa' on CPU; flex_attention (BlockMask, skips masked tiles) on GPU."
-            )
-
-        user_collator = data_collator is not None
-        super().__init__(model, args=args, data_collator=data_collator, train_dataset=train_dataset,
-                         eval_dataset=eval_dataset, processing_class=processing_class, peft_config=peft_config,
-                         **kwargs)
-
-        eos_id = self._tokenizer.eos_token_id
-        if not user_collator and type(self.data_collator) is DataCollatorForLanguageModeling:
-            base = self.data_collator
-            self.data_collator = MARSDataCollator(
-                pad_token_id=base.pad_token_id, padding_free=base.padding_free,
-                return_position_ids=base.return_position_ids, pad_to_multiple_of=base.pad_to_multiple_of,
-                return_tensors=base.return_tensors, block_size=args.block_size, eos_token_id=eos_id,
-                pad_to_block_multiple=args.pad_to_block_multiple,
-            )
-
-        if not _has_trainable_token(self.train_dataset):
-            raise ValueError(
-                "The training dataset has no trainable token (every label is -100 after preparation), so the MARS "
-                "loss would be empty. Check completion_only_loss / assistant_only_loss (an assistant-only loss needs "
-                "a chat template with {% generation %} markers), or that examples are not truncated away by "
-                "max_length."
-            )
-        # summed metric counters per mode, turned into ratios at log time
-        self._mars_sums: dict[str, torch.Tensor | None] = {"train": None, "eval": None}
+        _check_architecture(model, args)
 
     # ------------------------------------------------------------------ loss
 

@@ -18,6 +18,19 @@ def test_trl_private_state(tmp_path):
     assert isinstance(_compat.trl_metrics(trainer, "train"), dict) and isinstance(_compat.trl_metrics(trainer, "eval"), dict)
     assert _compat.trl_count_train_tokens(trainer, 0) == 0
     assert _compat.trl_count_train_tokens(trainer, 10 * trainer._tp_size) == 10
+    # SFTTrainer built its default collator from the class MARSDataCollator extends, and MARSTrainer swapped it
+    assert issubclass(type(trainer.data_collator), _compat.trl_lm_collator())
+
+
+def test_trl_loading(tmp_path):
+    """A model and processing class given by path, loaded as SFTTrainer loads them."""
+    tok = build_char_tokenizer()
+    tiny_qwen2(tok).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    args = MARSConfig(output_dir=str(tmp_path / "out"), report_to=[], model_init_kwargs={"dtype": "bfloat16"})
+    model, revision = _compat.trl_load_model(str(tmp_path), args)
+    assert model.dtype == torch.bfloat16 and revision is None and args.model_init_kwargs is None
+    assert _compat.trl_processing_class(model, args).get_vocab() == tok.get_vocab()
 
 
 def test_trl_fused_forward_fields(tmp_path):
@@ -41,6 +54,7 @@ def test_transformers_private_hooks():
                                            num_attention_heads=2, num_key_value_heads=1, num_local_experts=2))
     target, index = _compat.router_logits_recorder(moe)
     assert any(isinstance(m, target) for m in moe.modules()) and index == 0
+    assert callable(_compat.load_balancing_loss(moe))
     assert _compat.router_logits_recorder(tiny_qwen2(tok)) is None
     gen = GenerationConfig.from_model_config(tiny_qwen2(tok).config)
     assert gen._from_model_config is True

@@ -144,6 +144,66 @@ def test_plain_text_dataset_and_mask_token_added(tmp_path):
     assert math.isclose(loss, ref, rel_tol=1e-4), (loss, ref)
 
 
+def _dataset(kind):
+    if kind == "prompt_completion":
+        return prompt_completion()
+    if kind == "conversational":
+        return conversational()
+    if kind == "text":
+        return Dataset.from_list([{"text": f"the {w} is here"} for w in WORDS])
+    tok = build_char_tokenizer()  # pre-tokenized: input_ids and labels as the user prepared them
+    return Dataset.from_list([{"input_ids": tok(f"{a} {b}")["input_ids"], "labels": tok(f"{a} {b}")["input_ids"]}
+                              for a, b in zip(WORDS, WORDS[1:])])
+
+
+@pytest.mark.parametrize("kind", ["prompt_completion", "conversational", "text", "tokenized"])
+def test_mask_token_set_up_before_sft_init(tmp_path, kind):
+    """`_prepare_mars_model` (the one set-up hook, run before SFTTrainer.__init__) for every dataset format: the mask
+    token is in the tokenizer and the embeddings, config.mars records it, and SFTTrainer's default collator became
+    MARS's, built from what SFTTrainer chose (pad token, padding-free)."""
+    tok = build_char_tokenizer()
+    model = tiny_qwen2(tok)
+    rows = model.get_input_embeddings().weight.shape[0]
+    calls = []
+    original = MARSTrainer._prepare_mars_model
+
+    def spy(self, model, processing_class, args, train_dataset, peft_config):
+        calls.append(getattr(self, "_metrics", None))  # SFTTrainer.__init__ sets _metrics: it has not run yet
+        return original(self, model, processing_class, args, train_dataset, peft_config)
+
+    MARSTrainer._prepare_mars_model = spy
+    try:
+        trainer = MARSTrainer(model, args=config(tmp_path, block_size=3, assistant_only_loss=kind == "conversational"),
+                              train_dataset=_dataset(kind), processing_class=tok)
+    finally:
+        MARSTrainer._prepare_mars_model = original
+    assert calls == [None]
+    assert tok.mask_token == "<|mask|>" and trainer.mask_token_id == tok.mask_token_id == len(tok) - 1
+    assert trainer.model.config.mars == {"block_size": 3, "mask_token_id": tok.mask_token_id, "mask_token": "<|mask|>",
+                                         "ar_weight": 1.0}
+    assert rows <= trainer.model.get_input_embeddings().weight.shape[0] > tok.mask_token_id
+    assert type(trainer.data_collator) is MARSDataCollator and trainer.data_collator.block_size == 3
+    assert trainer.data_collator.pad_token_id == tok.pad_token_id and trainer.data_collator.eos_token_id == tok.eos_token_id
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert tok.mask_token_id not in batch["input_ids"].tolist()  # the data never holds the mask: only the loss adds it
+    trainer.model.eval()
+    assert torch.isfinite(trainer.compute_loss(trainer.model, dict(batch)))
+
+
+def test_model_given_by_path(tmp_path):
+    """A model named by a path is loaded as SFTTrainer would (model_init_kwargs consumed), with its tokenizer."""
+    tok = build_char_tokenizer()
+    tiny_qwen2(tok).save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    args = config(tmp_path, model_init_kwargs={"dtype": "float32", "attn_implementation": "eager"})
+    trainer = MARSTrainer(str(tmp_path / "base"), args=args, train_dataset=prompt_completion())
+    assert args.model_init_kwargs is None
+    assert trainer.model.config._attn_implementation == "eager" and trainer.model.dtype == torch.float32
+    assert trainer.processing_class.mask_token == "<|mask|>"
+    assert trainer.model.config.mars["mask_token_id"] == trainer.processing_class.mask_token_id == trainer.mask_token_id
+    assert type(trainer.data_collator) is MARSDataCollator
+
+
 # ----------------------------------------------------------------------------- config and collator
 
 
