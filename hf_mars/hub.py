@@ -9,25 +9,33 @@ folder carries:
 - ``custom_generate/generate.py``: hf_mars/generation.py copied byte for byte (it imports
   only torch and transformers), plus ``custom_generate/requirements.txt``. Loading with
   ``trust_remote_code=True`` makes transformers replace ``model.generate`` with it;
-- ``README.md``: a model card rendered from ``model_cards/mars_model_card.md``.
+- ``README.md``: the model card (`hf_mars.model_card`, from ``hf_mars/assets/model_cards/mars_model_card.md``).
 
-Without ``trust_remote_code`` the folder is the plain base-architecture AR model.
+Without ``trust_remote_code`` the folder is the plain base-architecture AR model. This module owns that contract
+(`check_checkpoint`, `write_mars_extras`, `save_for_hub`) and the upload (`push_to_hub`, ``hf-mars push``); the card's
+text is `hf_mars.model_card`'s, and reading a benchmark report is `hf_mars.demo.report`'s.
 """
 
 from __future__ import annotations
 
 import ast
 import json
-import os
 import sys
 from pathlib import Path
+
+from .model_card import (  # noqa: F401  (CARD_FIELDS, CARD_TAGS and build_model_card stay importable from here)
+    CARD_FIELDS,
+    CARD_TAGS,
+    REPO_ID_PLACEHOLDER,
+    benchmark_table,
+    build_model_card,
+    check_card_fields,
+)
 
 CUSTOM_GENERATE_DIR = "custom_generate"
 GENERATION_MODULE = "hf_mars.generation"
 DEFAULT_THRESHOLD = 0.95  # the paper's multi-token setting; 1.0 is exact AR greedy
 DEFAULT_BLOCK_SIZE = 4
-CARD_TAGS = ["mars", "multi-token-prediction", "custom_generate"]
-REPO_ID_PLACEHOLDER = "path/to/this/checkpoint"
 DEFAULT_COMMIT_MESSAGE = "Upload MARS checkpoint"
 # Floors for custom_generate/requirements.txt when hf-mars' own metadata is not available.
 _FALLBACK_FLOORS = {"transformers": "transformers>=5.17.0", "torch": "torch>=2.4"}
@@ -38,30 +46,6 @@ PUSH_IGNORE_PATTERNS = [
     "optimizer*", "scheduler*", "rng_state*", "trainer_state.json", "global_step*", "latest", "checkpoint-*",
     "*__pycache__*", "*.pyc", "*.ipynb_checkpoints*", ".DS_Store",
 ]
-CARD_FIELDS = (
-    "model_name", "repo_id", "base_model", "datasets", "license", "language", "tags", "description",
-    "benchmark", "example_prompt", "mars_threshold", "mars_block_size",
-)
-_TRAINING_KEYS = [
-    ("learning_rate", "learning rate"),
-    ("lr_scheduler_type", "LR scheduler"),
-    ("warmup_ratio", "warmup ratio"),
-    ("warmup_steps", "warmup steps"),
-    ("num_train_epochs", "epochs"),
-    ("max_steps", "max steps"),
-    ("per_device_train_batch_size", "batch size per device"),
-    ("gradient_accumulation_steps", "gradient accumulation steps"),
-    ("weight_decay", "weight decay"),
-    ("optim", "optimizer"),
-    ("max_grad_norm", "max grad norm"),
-    ("max_length", "max sequence length"),
-    ("packing", "packing"),
-    ("assistant_only_loss", "assistant-only loss"),
-    ("completion_only_loss", "completion-only loss"),
-    ("gradient_checkpointing", "gradient checkpointing"),
-    ("seed", "seed"),
-]
-
 
 # --------------------------------------------------------------------------- checks
 
@@ -294,284 +278,6 @@ def write_generation_defaults(save_directory, mars: dict, model=None, config_dic
     return float(threshold), block_size
 
 
-# --------------------------------------------------------------------------- model card
-
-
-def template_path() -> Path:
-    """The Jinja model-card template: packaged copy first, else the repository's model_cards/."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "assets" / "model_cards" / "mars_model_card.md",
-                      here.parent / "model_cards" / "mars_model_card.md"):
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError("The MARS model-card template (model_cards/mars_model_card.md) is not installed.")
-
-
-def _looks_like_repo_id(value) -> bool:
-    if not isinstance(value, str) or value.count("/") != 1 or os.path.exists(value) or value.startswith((".", "/", "~")):
-        return False
-    try:
-        validate_repo_id(value)
-    except ValueError:
-        return False
-    return True
-
-
-def _fmt(value) -> str:
-    if hasattr(value, "value") and not isinstance(value, (int, float, str)):  # enums
-        value = value.value
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value)
-
-
-def _training_rows(mars: dict, training_args=None, trainer_state: dict | None = None) -> list[tuple[str, str]]:
-    """(name, value) rows for the card: MARS settings, then the usual optimisation hyperparameters."""
-    if training_args is None:
-        args = {}
-    elif isinstance(training_args, dict):
-        args = dict(training_args)
-    elif hasattr(training_args, "to_dict"):
-        args = training_args.to_dict()
-    else:
-        args = dict(vars(training_args))
-    rows = []
-    block_size = mars.get("block_size", args.get("block_size"))
-    ar_weight = mars.get("ar_weight", args.get("ar_weight"))
-    if block_size is not None:
-        rows.append(("MARS block size B", _fmt(block_size)))
-    if ar_weight is not None:
-        rows.append(("AR loss weight α", _fmt(ar_weight)))
-    for key in ("loss_normalization", "pad_to_block_multiple"):  # MARSConfig's own fields
-        if args.get(key) is not None:
-            rows.append(("MARS " + key.replace("_", " "), _fmt(args[key])))
-    for key in sorted(k for k in args if k.startswith("mars_")):  # MARS fields named with a prefix
-        if args[key] is not None and key not in ("mars_block_size", "mars_ar_weight"):
-            rows.append((key.replace("_", " "), _fmt(args[key])))
-    for key, name in _TRAINING_KEYS:
-        value = args.get(key)
-        if value is None or (key == "max_steps" and value <= 0) or (key == "warmup_steps" and value == 0):
-            continue
-        if key == "num_train_epochs" and (args.get("max_steps") or 0) > 0:  # max_steps overrides epochs
-            continue
-        rows.append((name, _fmt(value)))
-    if "bf16" in args or "fp16" in args:
-        rows.append(("precision", "bf16" if args.get("bf16") else "fp16" if args.get("fp16") else "fp32"))
-    if trainer_state:
-        if trainer_state.get("global_step"):
-            rows.append(("optimizer steps done", _fmt(trainer_state["global_step"])))
-        if trainer_state.get("epoch"):
-            rows.append(("epochs done", f"{float(trainer_state['epoch']):.2f}"))
-    return rows
-
-
-def _from_bench(result: dict) -> dict:
-    """`hf-mars bench` output in the demo's report layout (same row keys): its smallest batch size, sliding cache."""
-    rows = [r for r in result["rows"] if isinstance(r, dict)]
-    if not rows:
-        return result
-    b = min(r.get("batch_size", 1) for r in rows)
-    rows = [r for r in rows if r.get("batch_size", 1) == b]
-    pick = ("threshold", "accuracy", "tokens_per_forward", "speedup_vs_ar")
-    report = {"block_size": (result.get("settings") or {}).get("block_size"),
-              "mars": [{k: r.get(k) for k in pick} for r in rows if r.get("mode") == "mars" and r.get("cache") == "sliding"],
-              "command": "hf-mars bench", "device": (result.get("machine") or {}).get("device")}
-    ar = next((r for r in rows if r.get("mode") == "ar"), None)
-    if ar is not None:
-        report["ar"] = {k: ar.get(k) for k in ("accuracy", "tokens_per_forward", "speedup_vs_ar")}
-    verify = next((r for r in rows if r.get("mode") == "verify"), None)
-    if verify is not None:
-        report["verify"] = {k: verify.get(k) for k in pick}
-    if b != 1 or len({r.get("batch_size") for r in result["rows"]}) > 1:
-        report["description"] = f"Measured with `hf-mars bench` at batch size {b}."
-    return report
-
-
-def _benchmark_table(report) -> dict:
-    """Rows for the measured table from a benchmark report (dict or path to the demo's report.json)."""
-    if isinstance(report, (str, os.PathLike)):
-        report = _read_json(Path(report))
-    if isinstance(report, dict) and "mars" not in report and isinstance(report.get("rows"), list):
-        report = _from_bench(report)
-    if not isinstance(report, dict) or not isinstance(report.get("mars"), list) or not report["mars"]:
-        raise ValueError(
-            "benchmark must be a report dict like the demo's report.json: {'block_size': 4, 'ar_sft': {'accuracy': ...}, "
-            "'mars': [{'threshold', 'accuracy', 'tokens_per_forward', 'speedup_vs_ar'}, ...], 'verify': {...}} "
-            "(or the path of such a JSON file)."
-        )
-    entries = [e for e in report["mars"]]
-    for e in entries:
-        if not isinstance(e, dict) or "threshold" not in e or "accuracy" not in e:
-            raise ValueError(f"each benchmark['mars'] entry needs 'threshold' and 'accuracy'; got {e!r}.")
-    accs = [e.get("accuracy") for e in entries]
-    for key in ("ar", "ar_sft", "verify"):
-        if isinstance(report.get(key), dict):
-            accs.append(report[key].get("accuracy"))
-    fraction = all(a is None or a <= 1.0 for a in accs)
-
-    def acc(value, ci=None):
-        if value is None:
-            return "–"
-        text = f"{100 * value:.1f}%" if fraction else f"{value:.1f}"
-        if fraction and isinstance(ci, (list, tuple)) and len(ci) == 2:
-            text += f" ({100 * ci[0]:.1f}–{100 * ci[1]:.1f})"
-        return text
-
-    def num(value, suffix=""):
-        return "–" if value is None else f"{float(value):.2f}{suffix}"
-
-    rows = []
-    if isinstance(report.get("ar_sft"), dict):
-        r = report["ar_sft"]
-        rows.append({"name": "AR SFT baseline (a separate AR-trained model)", "threshold": "–",
-                     "accuracy": acc(r.get("accuracy"), r.get("accuracy_ci95")),
-                     "tokens_per_forward": num(r.get("tokens_per_forward", 1.0)),
-                     "speedup": num(r.get("speedup_vs_ar"), "×")})
-    if isinstance(report.get("ar"), dict):
-        r = report["ar"]
-        rows.append({"name": "this model, plain AR decoding", "threshold": "–", "accuracy": acc(r.get("accuracy")),
-                     "tokens_per_forward": num(r.get("tokens_per_forward", 1.0)),
-                     "speedup": num(r.get("speedup_vs_ar", 1.0), "×")})
-    for e in sorted(entries, key=lambda e: -float(e["threshold"])):
-        rows.append({"name": "MARS" + (" (one-token mode)" if float(e["threshold"]) >= 1.0 else ""),
-                     "threshold": _fmt(float(e["threshold"])), "accuracy": acc(e.get("accuracy"), e.get("accuracy_ci95")),
-                     "tokens_per_forward": num(e.get("tokens_per_forward")), "speedup": num(e.get("speedup_vs_ar"), "×")})
-    if isinstance(report.get("verify"), dict):
-        r = report["verify"]
-        rows.append({"name": "MARS verify (lossless, `mars_verify=True`)",
-                     "threshold": _fmt(r["threshold"]) if r.get("threshold") is not None else "–",
-                     "accuracy": acc(r.get("accuracy"), r.get("accuracy_ci95")),
-                     "tokens_per_forward": num(r.get("tokens_per_forward")),
-                     "speedup": num(r.get("speedup_vs_ar"), "×")})
-    notes = []
-    if any("accuracy_ci95" in (e if isinstance(e, dict) else {}) for e in entries):
-        notes.append("Accuracy in brackets: 95% Wilson interval over the held-out questions.")
-    paired = report.get("paired_tau1_vs_ar_sft")
-    if isinstance(paired, dict) and paired.get("verdict"):
-        notes.append(f"One-token MARS (τ = 1) against the AR-SFT baseline on the same {paired.get('n')} questions "
-                     f"(paired, exact McNemar test): {paired['verdict']}.")
-    for key, label in (("task", "Task"), ("num_examples", "Examples"), ("max_new_tokens", "max_new_tokens"),
-                       ("device", "Device"), ("command", "Reproduce with")):
-        if report.get(key) is not None:
-            value = f"`{report[key]}`" if key == "command" else report[key]
-            notes.append(f"{label}: {value}.")
-    if any(row["speedup"] != "–" for row in rows):
-        notes.append("Speedup: the report's `speedup_vs_ar`, wall-clock time relative to AR decoding of the same model.")
-    return {"block_size": report.get("block_size"), "description": report.get("description"), "rows": rows,
-            "notes": notes}
-
-
-def _versions() -> list[tuple[str, str]]:
-    import importlib.metadata
-
-    out = []
-    for dist, label in (("hf-mars", "hf-mars"), ("transformers", "Transformers"), ("torch", "PyTorch"),
-                        ("trl", "TRL"), ("tokenizers", "Tokenizers")):
-        try:
-            out.append((label, importlib.metadata.version(dist)))
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return out
-
-
-def _existing_card_data(directory: Path) -> dict:
-    """Metadata of a README.md already in the folder (e.g. TRL's card), to keep base_model/datasets/license."""
-    readme = directory / "README.md"
-    if not readme.is_file():
-        return {}
-    try:
-        from huggingface_hub import ModelCard
-
-        return ModelCard.load(readme, ignore_metadata_errors=True).data.to_dict()
-    except Exception:  # an unparsable card is replaced, not fatal
-        return {}
-
-
-def _as_list(value):
-    if value is None:
-        return None
-    return [value] if isinstance(value, str) else list(value)
-
-
-def build_model_card(directory, mars: dict, config_dict: dict, threshold: float, block_size: int,
-                     model=None, tokenizer=None, training_args=None, **card_fields):
-    """Render the MARS model card (a huggingface_hub ModelCard) and check that it parses back."""
-    from huggingface_hub import ModelCard, ModelCardData
-
-    directory = Path(directory)
-    unknown = set(card_fields) - set(CARD_FIELDS)
-    if unknown:
-        raise ValueError(f"Unknown model-card field(s) {sorted(unknown)}; accepted: {', '.join(CARD_FIELDS)}.")
-    old = _existing_card_data(directory)
-
-    base_model = card_fields.get("base_model") or old.get("base_model")
-    if base_model is None:
-        name = getattr(getattr(model, "config", None), "_name_or_path", None) or config_dict.get("_name_or_path")
-        base_model = name if _looks_like_repo_id(name) else None
-    datasets = _as_list(card_fields.get("datasets") or old.get("datasets"))
-    tags = []
-    for tag in CARD_TAGS + (_as_list(card_fields.get("tags")) or []) + (_as_list(old.get("tags")) or []):
-        if tag not in tags:
-            tags.append(tag)
-    repo_id = card_fields.get("repo_id")
-    if repo_id is not None:
-        validate_repo_id(repo_id)
-    model_name = card_fields.get("model_name") or (repo_id.split("/")[-1] if repo_id else None) or directory.resolve().name
-
-    card_data = ModelCardData(
-        library_name="transformers",
-        pipeline_tag="text-generation",
-        base_model=base_model,
-        datasets=datasets,
-        license=card_fields.get("license") or old.get("license"),
-        language=card_fields.get("language") or old.get("language"),
-        tags=tags,
-        model_name=model_name,
-        ignore_metadata_errors=False,
-    )
-    if tokenizer is not None:
-        chat = bool(getattr(tokenizer, "chat_template", None))
-    else:
-        chat = (directory / "chat_template.jinja").is_file() or bool(
-            (directory / "tokenizer_config.json").is_file()
-            and _read_json(directory / "tokenizer_config.json").get("chat_template"))
-    trainer_state = _read_json(directory / "trainer_state.json") if (directory / "trainer_state.json").is_file() else None
-    benchmark = card_fields.get("benchmark")
-    try:
-        import hf_mars
-
-        hf_mars_version = hf_mars.__version__
-    except Exception:
-        hf_mars_version = None
-    card = ModelCard.from_template(
-        card_data,
-        template_path=str(template_path()),
-        model_name=model_name,
-        repo_id=repo_id or REPO_ID_PLACEHOLDER,
-        base_model=base_model,
-        datasets=datasets,
-        description=card_fields.get("description"),
-        architecture=(config_dict.get("architectures") or ["AutoModelForCausalLM"])[0],
-        mars={"block_size": mars.get("block_size"), "ar_weight": mars.get("ar_weight"),
-              "mask_token": mars.get("mask_token"), "mask_token_id": mars.get("mask_token_id")},
-        threshold=_fmt(threshold),
-        decode_block_size=block_size,
-        chat=chat,
-        # a Python string literal (quotes, newlines escaped) for the usage snippets
-        example_prompt=json.dumps(card_fields.get("example_prompt") or "What is 12 * 7?", ensure_ascii=False),
-        benchmark=_benchmark_table(benchmark) if benchmark is not None else None,
-        training=_training_rows(mars, training_args, trainer_state),
-        versions=_versions(),
-        hf_mars_version=hf_mars_version,
-    )
-    parsed = ModelCard(str(card), ignore_metadata_errors=False)  # round trip: YAML header parses and validates
-    data = parsed.data
-    if (data.library_name != "transformers" or data.pipeline_tag != "text-generation"
-            or not set(CARD_TAGS) <= set(data.tags or [])):
-        raise RuntimeError("The rendered MARS model card lost its metadata; the template is broken.")
-    return parsed
-
-
 # --------------------------------------------------------------------------- public API
 
 
@@ -584,9 +290,7 @@ def write_mars_extras(save_directory, model=None, tokenizer=None, training_args=
     ``mars_block_size`` set the generation defaults.
     """
     directory = Path(save_directory)
-    unknown = set(card_fields) - set(CARD_FIELDS)
-    if unknown:
-        raise ValueError(f"Unknown model-card field(s) {sorted(unknown)}; accepted: {', '.join(CARD_FIELDS)}.")
+    check_card_fields(card_fields)
     _check_defaults(card_fields.get("mars_threshold"), card_fields.get("mars_block_size"))
     if not directory.is_dir():
         raise ValueError(f"{directory} does not exist; save the model there first (save_pretrained).")
@@ -643,12 +347,10 @@ def save_for_hub(model, tokenizer, save_directory, training_args=None, force: bo
         raise _not_mars("This model", _UNTRAINED)
     if mars["mask_token_id"] >= model.get_input_embeddings().weight.shape[0]:
         raise ValueError("The mask token id is outside the model's embedding matrix; call `add_mask_token` again.")
-    unknown = set(card_fields) - set(CARD_FIELDS)
-    if unknown:
-        raise ValueError(f"Unknown model-card field(s) {sorted(unknown)}; accepted: {', '.join(CARD_FIELDS)}.")
+    check_card_fields(card_fields)
     _check_defaults(card_fields.get("mars_threshold"), card_fields.get("mars_block_size"))
     if card_fields.get("benchmark") is not None:
-        _benchmark_table(card_fields["benchmark"])  # a malformed report fails before anything is written
+        benchmark_table(card_fields["benchmark"])  # a malformed report fails before anything is written
     if card_fields.get("repo_id") is not None:
         validate_repo_id(card_fields["repo_id"])
     directory = Path(save_directory)
@@ -669,8 +371,7 @@ def upload_file_list(directory) -> list[str]:
 
     Uses huggingface_hub's own filter with the same patterns upload_folder applies.
     """
-    from huggingface_hub.utils import filter_repo_objects
-    from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS
+    from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
     root = Path(directory).expanduser().resolve()
     rel = [p.relative_to(root).as_posix() for p in sorted(root.glob("**/*")) if p.is_file()]

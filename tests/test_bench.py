@@ -53,9 +53,13 @@ def test_cli_json_structure_and_sanity(tmp_path, checkpoint, capsys):
         assert column in table
 
     # one report schema: the bench's own JSON renders in a model card (threshold / speedup_vs_ar rows)
-    from hf_mars.hub import _benchmark_table
+    from hf_mars.demo.report import BenchmarkReport
 
-    card_table = _benchmark_table(out)
+    report = BenchmarkReport.load(out)
+    assert BenchmarkReport.load(report.to_dict()) == report  # the typed report round-trips
+    assert report.block_size == 4 and [m.threshold for m in report.mars] == [1.0, 0.0]  # batch 1, sliding cache
+    assert report.ar.tokens_per_forward == 1.0 and report.verify.threshold == 0.0 and report.command == "hf-mars bench"
+    card_table = report.card_table()
     names = [row["name"] for row in card_table["rows"]]
     assert any(n.startswith("MARS verify") for n in names) and sum(n.startswith("MARS") for n in names) == 3
     assert all(row["speedup"].endswith("×") for row in card_table["rows"])
