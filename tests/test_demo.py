@@ -77,6 +77,21 @@ def test_quick_demo_report(quick_run):
     assert "| **overall** |" in stdout  # the table is printed
 
 
+def test_quick_demo_report_is_the_cards_report(quick_run):
+    """The report.json the demo wrote reads back as one typed report, round-trips, and is the checkpoint card's table."""
+    from hf_mars.demo.report import BenchmarkReport
+
+    out, _ = quick_run
+    raw = json.loads((out / "report.json").read_text())
+    report = BenchmarkReport.load(out / "report.json")
+    assert BenchmarkReport.load(report.to_dict()) == report
+    assert [m.threshold for m in report.mars] == [r["threshold"] for r in raw["mars"]]
+    assert report.verify.tokens_per_forward == raw["verify"]["tokens_per_forward"]
+    card = (out / "mars-checkpoint" / "README.md").read_text()
+    for row in report.card_table()["rows"]:
+        assert f"| {row['name']} | {row['threshold']} | {row['accuracy']} |" in card, row
+
+
 def test_quick_demo_files(quick_run):
     out, _ = quick_run
     png = (out / "pareto.png").read_bytes()

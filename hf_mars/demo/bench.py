@@ -23,180 +23,34 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from hf_mars.demo.prompts import (  # noqa: F401  (the prompt helpers stay importable from here)
+    BUILTIN_PROMPTS,
+    encode_prompts,
+    load_prompts,
+    make_batches,
+    score_record,
+    to_record,
+)
+from hf_mars.demo.timing import (  # noqa: F401  (the timing harness stays importable from here)
+    ForwardRecorder,
+    _generate_batch,
+    _sync,
+    count_emitted,
+    machine_info,
+    measure_step_cost,
+    measure_step_costs,
+    time_interleaved,
+)
 from hf_mars.generation import DEFAULT_VERIFY_THRESHOLD
 
 CACHE_MODES = ("sliding", "block", "block_trained")  # mars_cache values of hf_mars.generation
-
-# Small built-in prompt set, used when no prompt file is given and the demo data is not available.
-BUILTIN_PROMPTS = [
-    "What is 12 + 35?",
-    "Reverse the word 'banana'.",
-    "List the first five even numbers.",
-    "Spell 'decoding' backwards.",
-    "What is 7 times 8?",
-    "Write the alphabet from a to j.",
-    "Count from 1 to 10.",
-    "Repeat the word 'mask' three times.",
-    "Sort the letters of 'python'.",
-    "What is 100 minus 37?",
-    "Name the days of the week.",
-    "Write 'hello world' in upper case.",
-    "What is 9 squared?",
-    "Copy this: the quick brown fox.",
-    "Add 250 and 250.",
-    "Give the months of the year.",
-]
-
-
-# ----------------------------------------------------------------------------------------------- prompts
-
-
-def to_record(item, where: str = "prompt") -> dict:
-    """Normalise one prompt to ``{"prompt": str | messages, "answer": str | None, "task": str | None}``.
-
-    Accepts a string, a list of chat messages, or an object with ``messages`` / ``prompt`` / ``text`` /
-    ``question`` / ``instruction`` (plus optional ``answer``/``completion`` and ``task``). A trailing
-    assistant turn is dropped from the prompt and kept as the reference answer, so a TRL conversational
-    data set doubles as a prompt set with accuracy.
-    """
-    if isinstance(item, dict) and "prompt" in item and ("answer" in item or "task" in item) and set(item) <= {"prompt", "answer", "task"}:
-        rec = to_record(item["prompt"], where)
-        rec["answer"] = item.get("answer", rec["answer"])
-        rec["task"] = item.get("task", rec["task"])
-        return rec
-    if isinstance(item, str):
-        return {"prompt": item, "answer": None, "task": None}
-    if isinstance(item, dict):
-        for key in ("messages", "prompt", "conversations", "text", "question", "instruction", "input"):
-            if key in item:
-                rec = to_record(item[key], where)
-                answer = item.get("answer", item.get("completion"))
-                if isinstance(answer, list) and answer and isinstance(answer[-1], dict):
-                    answer = answer[-1].get("content")
-                if answer is not None:
-                    rec["answer"] = str(answer)
-                if item.get("task") is not None:
-                    rec["task"] = str(item["task"])
-                return rec
-        raise ValueError(
-            f"{where}: a prompt record needs one of the keys 'messages', 'prompt', 'text', 'question' "
-            f"or 'instruction'; got keys {sorted(item)}."
-        )
-    if not isinstance(item, list):
-        raise ValueError(f"{where}: a prompt must be a string, a list of chat messages or an object, got {type(item).__name__}.")
-    msgs = list(item)
-    if not msgs or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
-        raise ValueError(f"{where}: chat messages must be a non-empty list of {{'role': ..., 'content': ...}} objects.")
-    answer = None
-    while msgs and msgs[-1]["role"] == "assistant":
-        answer = msgs[-1]["content"] if answer is None else answer
-        msgs = msgs[:-1]  # generate the reply, don't read it
-    if not msgs:
-        raise ValueError(f"{where}: the conversation holds only assistant turns; there is nothing to prompt with.")
-    return {"prompt": msgs, "answer": answer, "task": None}
-
-
-def load_prompts(path: str | os.PathLike | None = None, limit: int | None = None) -> list[dict]:
-    """Prompt records (see `to_record`) from a .txt (one per line), .jsonl or .json file; without a path
-    the demo's held-out prompts (`hf_mars.demo.data`, with answers, so accuracy is reported), else a small
-    built-in list."""
-    if path is None:
-        records = _default_prompts()
-    else:
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"Prompt file {str(p)!r} does not exist; pass a .txt, .jsonl or .json file of prompts.")
-        text = p.read_text(encoding="utf-8")
-        if p.suffix == ".txt":
-            records = [to_record(line) for line in text.splitlines() if line.strip()]
-        elif p.suffix == ".jsonl":
-            records = [to_record(json.loads(line), f"{p}:{i + 1}") for i, line in enumerate(text.splitlines()) if line.strip()]
-        elif p.suffix == ".json":
-            data = json.loads(text)
-            if not isinstance(data, list):
-                raise ValueError(f"{p}: a .json prompt file must hold a list of prompts.")
-            records = [to_record(x, f"{p}[{i}]") for i, x in enumerate(data)]
-        else:
-            raise ValueError(f"Unknown prompt file type {p.suffix!r}: use .txt (one prompt per line), .jsonl or .json.")
-    if not records:
-        raise ValueError("The prompt set is empty.")
-    return records[:limit] if limit else records
-
-
-def _default_prompts(n: int = 64) -> list[dict]:
-    """The demo's held-out split (tasks interleaved, answers known) when hf_mars.demo.data is present, else built-ins."""
-    try:
-        from hf_mars.demo.data import generate_examples
-    except ImportError:  # pragma: no cover - depends on which modules exist
-        return [to_record(p) for p in BUILTIN_PROMPTS]
-    return [to_record(ex, "hf_mars.demo.data") for ex in generate_examples(n, seed=0, split="eval")]
-
-
-def _score(record: dict, prediction: str) -> bool:
-    """Exact whole-answer match (the demo's own scorer when the task is one of its tasks)."""
-    try:
-        from hf_mars.demo.data import TASKS, score
-
-        if record["task"] in TASKS:
-            return bool(score(record["task"], prediction, record["answer"]))
-    except ImportError:  # pragma: no cover
-        pass
-    return prediction.strip() == str(record["answer"]).strip()
-
-
-def encode_prompts(tokenizer, prompts, chat_template: bool | None = None) -> list[list[int]]:
-    """Token ids per prompt. Strings are wrapped as a user turn when the tokenizer has a chat template
-    (``chat_template=None``: automatic), chat messages always go through the template."""
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    use_template = has_template if chat_template is None else chat_template
-    out = []
-    for prompt in prompts:
-        if isinstance(prompt, list) or use_template:
-            if not has_template:
-                raise ValueError("Chat-message prompts need a tokenizer with a chat template; pass plain text prompts instead.")
-            msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-        else:
-            ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        out.append(list(ids))
-    return out
-
-
-def make_batches(encoded: list[list[int]], batch_size: int, pad_id: int, num_prompts: int | None = None):
-    """Left-padded (input_ids, attention_mask) batches of exactly ``batch_size`` rows.
-
-    The prompt list is cycled when it is shorter than ``num_prompts`` (or one batch), so every batch
-    size sees the same prompts and every batch is full.
-    """
-    n = max(num_prompts or len(encoded), batch_size)
-    n = int(math.ceil(n / batch_size) * batch_size)
-    rows = [encoded[i % len(encoded)] for i in range(n)]
-    batches = []
-    for start in range(0, n, batch_size):
-        chunk = rows[start : start + batch_size]
-        width = max(len(r) for r in chunk)
-        ids = torch.full((batch_size, width), pad_id, dtype=torch.long)
-        mask = torch.zeros((batch_size, width), dtype=torch.long)
-        for i, r in enumerate(chunk):
-            ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-            mask[i, width - len(r) :] = 1
-        batches.append((ids, mask))
-    return batches
-
-
-# ----------------------------------------------------------------------------------------------- counting
-
 
 def _eos_ids(model) -> list[int]:
     eos = getattr(model.generation_config, "eos_token_id", None)
@@ -205,198 +59,6 @@ def _eos_ids(model) -> list[int]:
     if eos is None:
         return []
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-
-
-def count_emitted(new_tokens: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
-    """Real emitted tokens per row: up to and including the first EOS, nothing after it (padding)."""
-    b, n = new_tokens.shape
-    if n == 0:
-        return torch.zeros(b, dtype=torch.long)
-    if not eos_ids:
-        return torch.full((b,), n, dtype=torch.long)
-    is_eos = torch.isin(new_tokens, torch.tensor(eos_ids, device=new_tokens.device))
-    any_eos = is_eos.any(dim=1)
-    first = is_eos.int().argmax(dim=1)
-    return torch.where(any_eos, first + 1, torch.full_like(first, n)).cpu()
-
-
-class ForwardRecorder:
-    """Counts and times the model's forward calls during generate (hooks; no change to the model).
-
-    Hooks sit on the top module (time includes the LM head) and on the decoder stack, so a loop that
-    calls the decoder and the head separately is still counted. Widths are the new positions per call.
-    ``sync`` makes per-forward times exact on CUDA at the cost of a sync per call.
-
-    A compiled forward (``model.get_compiled_call``, what generate uses with a compile config) traces the module
-    hooks into its graph, where a clock or a counter would be a constant or a guard (a recompile per call): the
-    hooks do nothing while Dynamo traces, and the compiled call itself is counted and timed from outside.
-    """
-
-    def __init__(self, model, sync: bool = False):
-        self.model = model
-        self.sync = sync
-        self.handles = []
-        self._wrapped = None  # (the compiled call, the counting wrapper around it)
-        self.reset()
-
-    def reset(self):
-        self.top_calls = 0
-        self.dec_calls = 0
-        self.widths: list[int] = []
-        self.top_time = 0.0
-        self.dec_time = 0.0
-        self._t0 = {}
-
-    def _width(self, args, kwargs):
-        x = kwargs.get("input_ids")
-        if x is None:
-            x = kwargs.get("inputs_embeds")
-        if x is None and args:
-            x = args[0]
-        return int(x.shape[1]) if torch.is_tensor(x) and x.dim() >= 2 else 0
-
-    def _start(self, which, args, kwargs):
-        if self.sync and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self._t0[which] = time.perf_counter()
-        if which == "dec":
-            self.dec_calls += 1
-            self.widths.append(self._width(args, kwargs))
-        else:
-            self.top_calls += 1
-
-    def _stop(self, which):
-        if self.sync and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - self._t0.pop(which, time.perf_counter())
-        if which == "dec":
-            self.dec_time += dt
-        else:
-            self.top_time += dt
-
-    def _pre(self, which):
-        def hook(module, args, kwargs):
-            if not torch.compiler.is_compiling():
-                self._start(which, args, kwargs)
-
-        return hook
-
-    def _post(self, which):
-        def hook(module, args, kwargs, output):
-            if not torch.compiler.is_compiling():
-                self._stop(which)
-
-        return hook
-
-    def _get_compiled_call(self, compile_config):
-        compiled = type(self.model).get_compiled_call(self.model, compile_config)
-        if self._wrapped is None or self._wrapped[0] is not compiled:
-            def call(*args, **kwargs):
-                for which in self._targets:
-                    self._start(which, args, kwargs)
-                try:
-                    return compiled(*args, **kwargs)
-                finally:
-                    for which in self._targets:
-                        self._stop(which)
-
-            self._wrapped = (compiled, call)
-        return self._wrapped[1]
-
-    def __enter__(self):
-        decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
-        targets = [("top", self.model)] + ([("dec", decoder)] if decoder is not None and decoder is not self.model else [])
-        if len(targets) == 1:  # no separate decoder: the top module is the one counted
-            targets = [("dec", self.model)]
-        self._targets = [which for which, _ in targets]
-        for which, mod in targets:
-            self.handles.append(mod.register_forward_pre_hook(self._pre(which), with_kwargs=True))
-            self.handles.append(mod.register_forward_hook(self._post(which), with_kwargs=True))
-        if hasattr(self.model, "get_compiled_call"):
-            self.model.get_compiled_call = self._get_compiled_call  # instance attribute: removed on exit
-        return self
-
-    def __exit__(self, *exc):
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-        self.model.__dict__.pop("get_compiled_call", None)
-        self._wrapped = None
-
-    @property
-    def calls(self) -> int:
-        return self.dec_calls
-
-    @property
-    def model_time(self) -> float:
-        return self.top_time if self.top_calls else self.dec_time
-
-
-# ----------------------------------------------------------------------------------------------- step costs
-
-
-@torch.no_grad()
-def measure_step_costs(model, batch_size: int, widths, past_len: int, repeats: int = 30, block_size: int = 4,
-                       device=None, statistic: str = "min") -> dict[int, float]:
-    """Seconds of one cached forward of ``w`` new positions over a ``past_len`` cache, for each width.
-
-    Widths are timed interleaved (round-robin over the same cache, cropped back after each call), so load
-    drift on a shared machine affects every width alike. ``statistic`` "min" (default) is the fastest of
-    ``repeats`` calls: a single forward is short enough for preemption to dominate a median on a loaded
-    machine, and the least disturbed call is the stable estimate of what a step costs. The LM head is
-    charged as a lean loop would pay it: 1 position for a 1-token step, else the ``block_size + 1``
-    candidate positions (``logits_to_keep``).
-    """
-    from transformers import DynamicCache
-
-    device = device or next(model.parameters()).device
-    widths = sorted({int(w) for w in widths})
-    vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(3, vocab - 1, (batch_size, past_len), generator=gen).to(device)
-    new = torch.randint(3, vocab - 1, (batch_size, max(widths)), generator=gen).to(device)
-    cache = DynamicCache(config=model.config) if _takes(DynamicCache.__init__, "config") else DynamicCache()
-    cache_kw = "cache" if _takes(model.forward, "cache") else "past_key_values"  # renamed in transformers 5.x
-    model(input_ids=prefix, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
-    times = {w: [] for w in widths}
-    for i in range(repeats + 2):
-        for w in widths:
-            mask = torch.ones(batch_size, past_len + w, dtype=torch.long, device=device)
-            pos = torch.arange(past_len, past_len + w, device=device).unsqueeze(0).expand(batch_size, -1)
-            keep = 1 if w == 1 else min(w, block_size + 1)
-            _sync(device)
-            t0 = time.perf_counter()
-            out = model(input_ids=new[:, :w], attention_mask=mask, position_ids=pos, use_cache=True,
-                        logits_to_keep=keep, **{cache_kw: cache})
-            out.logits.float().argmax(-1)  # a step reads its tokens; keep the same work
-            _sync(device)
-            if i >= 2:  # two warm-up rounds
-                times[w].append(time.perf_counter() - t0)
-            cache.crop(-w)  # negative: remove that many positions (works across transformers versions)
-    if statistic not in ("min", "median"):
-        raise ValueError("statistic must be 'min' or 'median'.")
-    pick = min if statistic == "min" else statistics.median
-    return {w: pick(t) for w, t in times.items()}
-
-
-def measure_step_cost(model, batch_size: int, width: int, past_len: int, repeats: int = 30, block_size: int = 4,
-                      device=None, statistic: str = "min") -> float:
-    """`measure_step_costs` for one width."""
-    return measure_step_costs(model, batch_size, [width], past_len, repeats, block_size, device, statistic)[int(width)]
-
-
-def _takes(fn, name: str) -> bool:
-    import inspect
-
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # pragma: no cover
-        return False
-
-
-def _sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 # ----------------------------------------------------------------------------------------------- the benchmark
@@ -498,65 +160,6 @@ def _generate_once(model, batch, spec: RunSpec, max_new_tokens: int, eos_ids, re
     }
 
 
-def _generate_batch(model, batch, max_new_tokens, **gen_kwargs):
-    return model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True,
-                          **gen_kwargs)
-
-
-def time_interleaved(model, batches, runs: dict, repeats: int, progress=None, max_new_tokens: int = 64) -> dict:
-    """Wall-clock seconds of each named generate setting over ``batches``.
-
-    Settings are interleaved batch by batch (in rotating order) and each batch keeps its fastest repeat, so a
-    shared, noisy machine slows every setting alike instead of favouring whichever ran in a quiet moment.
-    """
-    names = list(runs)
-    best = [[float("inf")] * len(batches) for _ in names]
-    with torch.inference_mode():
-        for kwargs in runs.values():  # warm-up (first-call allocations, lazy imports)
-            _generate_batch(model, batches[0], max_new_tokens, **kwargs)
-        for rep in range(repeats):
-            for b, batch in enumerate(batches):
-                shift = (rep + b) % len(names)
-                for k in names[shift:] + names[:shift]:
-                    i = names.index(k)
-                    t0 = time.perf_counter()
-                    _generate_batch(model, batch, max_new_tokens, **runs[k])
-                    best[i][b] = min(best[i][b], time.perf_counter() - t0)
-            if progress is not None:
-                progress.update(len(names))
-    return {name: sum(best[i]) for i, name in enumerate(names)}
-
-
-def machine_info(device) -> dict:
-    info = {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "device": str(device),
-    }
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except Exception:  # pragma: no cover
-        pass
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        if names:
-            info["cpu_model"] = names[0]
-    except OSError:  # pragma: no cover
-        pass
-    if torch.device(device).type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    if hasattr(os, "getloadavg"):
-        info["load_average_start"] = [round(x, 2) for x in os.getloadavg()]
-    return info
-
-
 def _model_size(model) -> dict:
     cfg = model.config
     return {
@@ -604,108 +207,149 @@ def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 
     from hf_mars.generation import enable_mars
 
     enable_mars(model)  # idempotent
-    device = next(model.parameters()).device
     records = [to_record(p, f"prompts[{i}]") for i, p in enumerate(prompts)] if prompts is not None else load_prompts()
     if not records:
         raise ValueError("The prompt set is empty.")
-    encoded = encode_prompts(tokenizer, [r["prompt"] for r in records], chat_template=chat_template)
-    scored = any(r["answer"] is not None for r in records)  # accuracy over the prompts that carry an answer
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (_eos_ids(model) or [0])[0]
-    eos_ids = _eos_ids(model)
-    bsz = resolve_block_size(model, block_size)
     specs = build_specs(thresholds, caches, verify_thresholds, block_size, cache_block, peers=peers)
-    sync = device.type == "cuda"
-    info = machine_info(device)
+    bench = _Bench(model, tokenizer, records, encode_prompts(tokenizer, [r["prompt"] for r in records], chat_template),
+                   specs, resolve_block_size(model, block_size), max_new_tokens, cache_block, tuple(caches),
+                   num_prompts, repeats, warmup, cost_repeats)
+    info = machine_info(bench.device)
     result = {
         "machine": info,
         "model": _model_size(model),
         "settings": {
-            "max_new_tokens": max_new_tokens, "block_size": bsz, "cache_block": cache_block, "repeats": repeats,
-            "warmup": warmup, "num_prompts": num_prompts, "prompts_available": len(records),
-            "accuracy_reported": scored,
-            "mean_prompt_tokens": statistics.mean(len(e) for e in encoded), "batch_sizes": list(batch_sizes),
+            "max_new_tokens": max_new_tokens, "block_size": bench.block_size, "cache_block": cache_block,
+            "repeats": repeats, "warmup": warmup, "num_prompts": num_prompts, "prompts_available": len(records),
+            "accuracy_reported": bench.scored,
+            "mean_prompt_tokens": statistics.mean(len(e) for e in bench.encoded), "batch_sizes": list(batch_sizes),
             "thresholds": list(thresholds), "caches": list(caches), "verify_thresholds": list(verify_thresholds or ()),
             "peers": list(peers),
-            "eos_token_ids": eos_ids,
+            "eos_token_ids": bench.eos_ids,
         },
         "step_costs": {},
         "rows": [],
     }
     say = log or (lambda msg: None)
-    total = len(batch_sizes) * len(specs) * repeats
-    bar = _tqdm(total=total, disable=not progress, desc="bench")
-    past_len = int(result["settings"]["mean_prompt_tokens"] + max_new_tokens / 2)
+    bench.bar = _tqdm(total=len(batch_sizes) * len(specs) * repeats, disable=not progress, desc="bench")
+    bench.past_len = int(result["settings"]["mean_prompt_tokens"] + max_new_tokens / 2)
     for b in batch_sizes:
         b = int(b)
-        batches = make_batches(encoded, b, pad_id, num_prompts)
-        recorder = ForwardRecorder(model, sync=False)
-        batch_specs = [spec for spec in specs if not (spec.mode == "prompt_lookup" and b > 1)]  # batch 1 only
+        per_spec = bench.generate_all(b)
+        costs, table = bench.step_costs(b, per_spec)
+        result["step_costs"][str(b)] = costs
+        say(f"batch {b}: cost(1) {costs['cost_1_ms']:.2f} ms, cost({1 + bench.block_size}) "
+            f"{costs[f'cost_{1 + bench.block_size}_ms']:.2f} ms")
+        result["rows"] += bench.rows(b, per_spec, costs, table)
+    bench.bar.close()
+    if hasattr(os, "getloadavg"):
+        info["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    return result
+
+
+@dataclass
+class _Bench:
+    """What every batch size of one `benchmark_generation` call shares, and the three stages of a batch size:
+    the timed generate calls, the step-cost table they are read against, and the result rows."""
+
+    model: object
+    tokenizer: object
+    records: list
+    encoded: list
+    specs: list
+    block_size: int  # the B the loop uses
+    max_new_tokens: int
+    cache_block: int
+    caches: tuple
+    num_prompts: int
+    repeats: int
+    warmup: int
+    cost_repeats: int
+    bar: object = None
+    past_len: int = 0
+
+    def __post_init__(self):
+        self.device = next(self.model.parameters()).device
+        self.eos_ids = _eos_ids(self.model)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (self.eos_ids or [0])[0]
+        self.scored = any(r["answer"] is not None for r in self.records)  # accuracy over prompts with an answer
+
+    def generate_all(self, b: int) -> dict:
+        """``{label: (spec, [runs per repeat])}`` at batch size ``b``, repeats interleaved across configurations
+        (load drift on a shared machine hits all of them alike); each run is one `_generate_once` per batch."""
+        batches = make_batches(self.encoded, b, self.pad_id, self.num_prompts)
+        batch_specs = [spec for spec in self.specs if not (spec.mode == "prompt_lookup" and b > 1)]  # batch 1 only
         per_spec = {spec.label: (spec, []) for spec in batch_specs}
-        with recorder:
+        once = self._generate_once
+        with ForwardRecorder(self.model, sync=False) as recorder:
             for spec in batch_specs:
                 # a compiled forward compiles once per shape: warm it on every batch, so no timed call compiles
                 warm = batches if "compile_config" in spec.kwargs else batches[:1]
-                for _ in range(warmup):
+                for _ in range(self.warmup):
                     for bt in warm:
-                        _generate_once(model, bt, spec, max_new_tokens, eos_ids, recorder, device)
-            # repeats interleaved across configurations: load drift on a shared machine hits all of them alike
-            for _ in range(repeats):
+                        once(bt, spec, recorder)
+            for _ in range(self.repeats):
                 for spec in batch_specs:
-                    bar.set_postfix_str(f"b={b} {spec.label}")
-                    runs = [_generate_once(model, bt, spec, max_new_tokens, eos_ids, recorder, device) for bt in batches]
-                    per_spec[spec.label][1].append(runs)
-                    bar.update(1)
-        if sync:  # exact per-forward times need a sync per call: one extra instrumented pass on CUDA
-            with ForwardRecorder(model, sync=True) as rec2:
+                    self.bar.set_postfix_str(f"b={b} {spec.label}")
+                    per_spec[spec.label][1].append([once(bt, spec, recorder) for bt in batches])
+                    self.bar.update(1)
+        if self.device.type == "cuda":  # exact per-forward times need a sync per call: one extra instrumented pass
+            with ForwardRecorder(self.model, sync=True) as rec2:
                 for spec, reps in per_spec.values():
                     for j, bt in enumerate(batches):
-                        r = _generate_once(model, bt, spec, max_new_tokens, eos_ids, rec2, device)
+                        r = once(bt, spec, rec2)
                         for runs in reps:
                             runs[j]["model_time"] = r["model_time"]
-        # step costs at this batch size, same cache-length scale as the runs (prompt + half the reply):
-        # 1 and 1 + B (the limit), the block-cache chunk, and every decode width the runs used (width limit)
+        return per_spec
+
+    def _generate_once(self, batch, spec, recorder):
+        return _generate_once(self.model, batch, spec, self.max_new_tokens, self.eos_ids, recorder, self.device)
+
+    def step_costs(self, b: int, per_spec: dict) -> tuple[dict, dict]:
+        """Step costs at this batch size, at the runs' cache-length scale (prompt + half the reply): widths 1 and
+        1 + B (the limit), the block-cache chunk, and every decode width the runs used (the width limit)."""
+        bsz = self.block_size
         used = {w for _, reps in per_spec.values() for run in reps[0] for w in run["widths"][1:]}
-        widths = {1, 1 + bsz} | ({cache_block} if any(c != "sliding" for c in caches) else set()) | used
-        table = measure_step_costs(model, b, widths, past_len, cost_repeats, block_size=bsz, device=device)
+        widths = {1, 1 + bsz} | ({self.cache_block} if any(c != "sliding" for c in self.caches) else set()) | used
+        table = measure_step_costs(self.model, b, widths, self.past_len, self.cost_repeats, block_size=bsz,
+                                   device=self.device)
         c1, cB = table[1], table[1 + bsz]
-        costs = {"past_len": past_len, "cost_1_ms": c1 * 1e3, f"cost_{1 + bsz}_ms": cB * 1e3, "ratio": cB / c1,
+        costs = {"past_len": self.past_len, "cost_1_ms": c1 * 1e3, f"cost_{1 + bsz}_ms": cB * 1e3, "ratio": cB / c1,
                  "table_ms": {str(w): t * 1e3 for w, t in sorted(table.items())}}
-        if cache_block in table:
-            costs[f"cost_{cache_block}_ms"] = table[cache_block] * 1e3
-        result["step_costs"][str(b)] = costs
-        say(f"batch {b}: cost(1) {c1 * 1e3:.2f} ms, cost({1 + bsz}) {cB * 1e3:.2f} ms")
-        ar_row = None
-        ar_tokens = None
-        for label, (spec, reps) in per_spec.items():
-            row = _summarise(b, spec, reps, costs, bsz)
+        if self.cache_block in table:
+            costs[f"cost_{self.cache_block}_ms"] = table[self.cache_block] * 1e3
+        return costs, table
+
+    def rows(self, b: int, per_spec: dict, costs: dict, table: dict) -> list[dict]:
+        """One result row per configuration at batch size ``b``, each against AR and the best plain path."""
+        rows, ar_row, ar_tokens = [], None, None
+        for spec, reps in per_spec.values():
+            row = _summarise(b, spec, reps, costs, self.block_size)
             row["_predicted_s"] = sum(table[w] for run in reps[0] for w in run["widths"][1:])
             toks = [t for run in reps[0] for t in run["new_tokens"]]  # row g of the run is records[g % len]
             if spec.mode == "ar":
                 ar_row, ar_tokens = row, toks
             else:
                 row["matches_ar"] = sum(x == y for x, y in zip(toks, ar_tokens)) / len(toks)
-            if scored:
-                texts = tokenizer.batch_decode(toks, skip_special_tokens=True)
-                hits = [_score(records[g % len(records)], t) for g, t in enumerate(texts)
-                        if records[g % len(records)]["answer"] is not None]
-                row["accuracy"] = sum(hits) / len(hits) if hits else None
-                row["accuracy_n"] = len(hits)
-            result["rows"].append(row)
-        for row in result["rows"]:
-            if row["batch_size"] == b:
-                _relative(row, ar_row, costs)
+            if self.scored:
+                row.update(self._accuracy(toks))
+            rows.append(row)
+        for row in rows:
+            _relative(row, ar_row, costs)
         # against the fastest plain path a user can already have (plain generate, static cache + compile)
-        plain = [r["tokens_per_s"] for r in result["rows"] if r["batch_size"] == b and r["mode"] in ("ar", "ar_static_compile")]
-        for row in result["rows"]:
-            if row["batch_size"] == b:
-                row["speedup_vs_best_plain"] = row["tokens_per_s"] / max(plain)
-        for row in result["rows"]:
-            if row["batch_size"] == b:
-                row.pop("_predicted_s", None)
-    bar.close()
-    if hasattr(os, "getloadavg"):
-        info["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-    return result
+        plain = [r["tokens_per_s"] for r in rows if r["mode"] in ("ar", "ar_static_compile")]
+        for row in rows:
+            row["speedup_vs_best_plain"] = row["tokens_per_s"] / max(plain)
+            row.pop("_predicted_s", None)
+        return rows
+
+    def _accuracy(self, toks) -> dict:
+        records = self.records
+        texts = self.tokenizer.batch_decode(toks, skip_special_tokens=True)
+        hits = [score_record(records[g % len(records)], t) for g, t in enumerate(texts)
+                if records[g % len(records)]["answer"] is not None]
+        return {"accuracy": sum(hits) / len(hits) if hits else None, "accuracy_n": len(hits)}
 
 
 def _summarise(b, spec, reps, costs, bsz):

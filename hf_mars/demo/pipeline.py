@@ -21,18 +21,33 @@ see ``examples/build_tiny_base.py``):
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from pathlib import Path
 
+# the steps of the pipeline, one module each; their names stay importable from here (examples/, benchmarks/)
+from hf_mars.demo.evaluate import (  # noqa: F401
+    MAX_NEW_TOKENS,
+    _encode_batches,
+    _mars_kwargs,
+    _per_task_tpf,
+    _prompts,
+    evaluate_ar,
+    generate_texts,
+)
+from hf_mars.demo.outputs import pareto_plot, per_task_table, speed_table
+from hf_mars.demo.stats import (
+    QUALITY_MARGIN,
+    paired_comparison,
+    pick_quality_threshold,
+    wilson_interval,
+)
+from hf_mars.demo.timing import time_interleaved
+from hf_mars.demo.training import completion_rows, train_ar_baseline, train_mars  # noqa: F401
+
 THRESHOLDS = (1.0, 0.99, 0.98, 0.95, 0.9, 0.8, 0.7, 0.5)
 BATCH_SIZES = (1, 4, 16)
 CACHES = ("sliding", "block")
-from hf_mars.demo.bench import _generate_batch, time_interleaved  # noqa: E402  (the one timing harness)
-
-QUALITY_MARGIN = 0.015  # "quality-keeping": within 1.5 accuracy points of tau = 1.0 (our quality-keeping criterion)
-MAX_NEW_TOKENS = 64  # the longest bundled answer is ~50 characters
 
 
 def base_model_path() -> Path:
@@ -40,317 +55,8 @@ def base_model_path() -> Path:
     return Path(__file__).resolve().parent / "assets" / "tiny-base"
 
 
-# ----------------------------------------------------------------------------- helpers
-
 def _log(msg: str) -> None:
     print(f"[hf-mars demo] {msg}", flush=True)
-
-
-def _prompts(tokenizer, examples) -> list[str]:
-    return [tokenizer.apply_chat_template([ex["messages"][0]], tokenize=False, add_generation_prompt=True)
-            for ex in examples]
-
-
-def _encode_batches(tokenizer, prompts, batch_size):
-    return [tokenizer(prompts[i:i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
-            for i in range(0, len(prompts), batch_size)]
-
-
-def _generate(model, batch, max_new_tokens=MAX_NEW_TOKENS, **gen_kwargs):
-    return _generate_batch(model, batch, max_new_tokens, **gen_kwargs)
-
-
-def generate_texts(model, tokenizer, prompts, batch_size=64, max_new_tokens=MAX_NEW_TOKENS, progress=None,
-                   **gen_kwargs):
-    """Greedy answers for ``prompts`` (chat-formatted strings), in order.
-
-    Returns ``(texts, forward_passes, emitted_tokens)``; the counts are the MARS statistics summed over
-    rows (0 for plain generate, which does one forward per token).
-    """
-    import torch
-
-    texts, fwd, emitted = [], 0, 0
-    with torch.inference_mode():
-        for batch in _encode_batches(tokenizer, prompts, batch_size):
-            out = _generate(model, batch, max_new_tokens, **gen_kwargs)
-            new = out.sequences[:, batch["input_ids"].shape[1]:]
-            texts += tokenizer.batch_decode(new, skip_special_tokens=True)
-            if getattr(out, "mars_forward_passes", None) is not None:
-                fwd += int(out.mars_forward_passes.sum())
-                emitted += int(out.mars_emitted_tokens.sum())
-            if progress is not None:
-                progress.update(new.shape[0])
-    return texts, fwd, emitted
-
-
-def _score(examples, texts) -> dict:
-    from hf_mars.demo.data import accuracy
-
-    return accuracy([ex["task"] for ex in examples], texts, [ex["messages"][1]["content"] for ex in examples])
-
-
-def evaluate_ar(model, tokenizer, examples, batch_size=64, progress=None, **gen_kwargs):
-    """Exact-match accuracy of greedy decoding (plain `generate` unless ``gen_kwargs`` say otherwise)."""
-    examples = list(examples)
-    texts, fwd, emitted = generate_texts(model, tokenizer, _prompts(tokenizer, examples), batch_size,
-                                         progress=progress, **gen_kwargs)
-    acc = _score(examples, texts)
-    return {"accuracy": acc["overall"], "per_task": acc["per_task"], "predictions": texts,
-            "forward_passes": fwd, "emitted_tokens": emitted}
-
-
-def _per_task_tpf(examples, model, tokenizer, batch_size, progress, **gen_kwargs):
-    """Accuracy and tokens per forward, overall and per task (tokens/forward = emitted / forwards, summed)."""
-    import torch
-
-    examples = list(examples)
-    prompts = _prompts(tokenizer, examples)
-    texts, fwd_rows, emit_rows = [], [], []
-    with torch.inference_mode():
-        for i, batch in enumerate(_encode_batches(tokenizer, prompts, batch_size)):
-            out = _generate(model, batch, **gen_kwargs)
-            new = out.sequences[:, batch["input_ids"].shape[1]:]
-            texts += tokenizer.batch_decode(new, skip_special_tokens=True)
-            fwd_rows += [int(v) for v in out.mars_forward_passes]
-            emit_rows += [int(v) for v in out.mars_emitted_tokens]
-            progress.update(new.shape[0])
-    acc = _score(examples, texts)
-    per_task = {}
-    for task in acc["per_task"]:
-        idx = [i for i, ex in enumerate(examples) if ex["task"] == task]
-        per_task[task] = {"accuracy": acc["per_task"][task],
-                          "tokens_per_forward": sum(emit_rows[i] for i in idx) / max(sum(fwd_rows[i] for i in idx), 1)}
-    return {"accuracy": acc["overall"], "tokens_per_forward": sum(emit_rows) / max(sum(fwd_rows), 1),
-            "per_task": per_task, "predictions": texts}
-
-
-def _mars_kwargs(threshold, block_size, cache="sliding", verify=False):
-    return {"mars": True, "mars_threshold": float(threshold), "mars_block_size": int(block_size),
-            "mars_cache": cache, "mars_verify": bool(verify)}
-
-
-# ----------------------------------------------------------------------------- training
-
-def _train_config(cls, output_dir, args, **extra):
-    from hf_mars.trainer import checkpointing_argument
-
-    return cls(
-        output_dir=str(output_dir),
-        max_steps=args.steps,
-        per_device_train_batch_size=args.batch_size,
-        learning_rate=args.learning_rate,
-        lr_scheduler_type="cosine",
-        warmup_steps=max(1, args.steps // 20),
-        weight_decay=0.0,
-        max_length=256,
-        bf16=False,  # fp32: bf16 autocast is ~8x slower on CPU
-        dataloader_pin_memory=False,  # CPU only: pinning does nothing (and torch warns so)
-        **checkpointing_argument(cls, False),  # recomputing activations is pure overhead for a ~1M-parameter model
-        use_cpu=True,
-        seed=args.seed,
-        data_seed=args.seed,
-        logging_steps=max(1, args.steps // 10),
-        save_strategy="no",
-        report_to="none",
-        dataloader_num_workers=0,
-        disable_tqdm=False,
-        **extra,
-    )
-
-
-def completion_rows(examples, tokenizer, cut_fraction=0.0, seed=0):
-    """Chat examples as text prompt/completion rows; a share of them cut at a random point of the answer.
-
-    Why the cut: decoding feeds masks right after *any* committed length ``c``, so inside the current
-    block the masks follow real answer tokens. A full-answer MARS example never shows that layout
-    (every answer token of a block is masked), and a small model then keys on the block position
-    instead of counting masks: confidently wrong drafts in threshold mode. A cut example moves the
-    first ``r`` answer characters into the prompt, so the noisy stream holds real tokens, then
-    masks, at every offset inside a block — exactly the inference layout. The loss covers the
-    completion only; ``cut_fraction=0`` gives the plain SFT rows (the AR baseline's data).
-    """
-    import random
-
-    rng = random.Random(f"hf-mars-cut|{seed}")
-    rows = []
-    for ex in examples:
-        prompt = tokenizer.apply_chat_template([ex["messages"][0]], tokenize=False, add_generation_prompt=True)
-        answer = ex["messages"][1]["content"]
-        r = rng.randint(1, len(answer) - 1) if len(answer) > 1 and rng.random() < cut_fraction else 0
-        rows.append({"prompt": prompt + answer[:r], "completion": answer[r:] + tokenizer.eos_token})
-    return rows
-
-
-def _load_base(path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
-    return model, tokenizer
-
-
-def train_mars(base_path, train_examples, args, work_dir):
-    from datasets import Dataset
-
-    from hf_mars import MARSConfig, MARSTrainer
-
-    model, tokenizer = _load_base(base_path)
-    train_ds = Dataset.from_list(completion_rows(train_examples, tokenizer, args.cut_fraction, args.seed))
-    config = _train_config(MARSConfig, work_dir / "mars-trainer", args, block_size=args.block_size, ar_weight=1.0)
-    trainer = MARSTrainer(model=model, args=config, train_dataset=train_ds, processing_class=tokenizer)
-    t0 = time.time()
-    trainer.train()
-    return trainer.model.eval(), tokenizer, time.time() - t0
-
-
-def train_ar_baseline(base_path, train_examples, args, work_dir):
-    from datasets import Dataset
-    from trl import SFTConfig, SFTTrainer
-
-    model, tokenizer = _load_base(base_path)
-    train_ds = Dataset.from_list(completion_rows(train_examples, tokenizer, 0.0, args.seed))
-    config = _train_config(SFTConfig, work_dir / "ar-trainer", args)
-    trainer = SFTTrainer(model=model, args=config, train_dataset=train_ds, processing_class=tokenizer)
-    t0 = time.time()
-    trainer.train()
-    return trainer.model.eval(), tokenizer, time.time() - t0
-
-
-# ----------------------------------------------------------------------------- outputs
-
-def wilson_interval(hits: int, n: int, z: float = 1.96) -> list[float]:
-    """95% Wilson score interval of a proportion (well-behaved near 0 and 1, unlike the normal one)."""
-    if n == 0:
-        return [0.0, 1.0]
-    p = hits / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return [round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4)]
-
-
-def paired_comparison(a: list[bool], b: list[bool]) -> dict:
-    """Paired comparison of two scorings of the same questions: exact McNemar test and a 95% interval of a - b.
-
-    Only the discordant questions (right in one, wrong in the other) carry information; the interval's half
-    width says how small a difference this many questions can resolve.
-    """
-    n = len(a)
-    only_a = sum(x and not y for x, y in zip(a, b))
-    only_b = sum(y and not x for x, y in zip(a, b))
-    m = only_a + only_b
-    k = min(only_a, only_b)
-    p_value = 1.0 if m == 0 else min(1.0, 2 * sum(math.comb(m, i) for i in range(k + 1)) / 2 ** m)
-    diff = (only_a - only_b) / max(n, 1)
-    se = math.sqrt(max(m - (only_a - only_b) ** 2 / max(n, 1), 0.0)) / max(n, 1)
-    half = max(1.96 * se, 1.0 / max(n, 1))  # never claim more resolution than one question
-    verdict = (f"differs (p = {p_value:.3g})" if p_value < 0.05 else
-               f"no significant difference (p = {p_value:.2g}); with {n} paired questions the 95% interval of the "
-               f"difference is ±{100 * half:.1f} points, so smaller differences cannot be told from noise")
-    return {"n": n, "only_first_right": only_a, "only_second_right": only_b, "difference": round(diff, 4),
-            "difference_ci95": [round(diff - half, 4), round(diff + half, 4)], "p_value_mcnemar_exact": p_value,
-            "verdict": verdict}
-
-
-def _ci(acc: float, ci) -> str:
-    text = f"{100 * acc:.1f}%"
-    return text if not ci else text + f" ({100 * ci[0]:.1f}–{100 * ci[1]:.1f})"
-
-
-def pick_quality_threshold(mars_rows, margin=QUALITY_MARGIN):
-    """The sweep entry with the most tokens per forward whose accuracy is within ``margin`` of tau = 1.0."""
-    one = next(r for r in mars_rows if r["threshold"] >= 1.0)
-    ok = [r for r in mars_rows if r["accuracy"] >= one["accuracy"] - margin - 1e-9]
-    return max(ok, key=lambda r: (r["tokens_per_forward"], r["threshold"]))
-
-
-def per_task_table(report) -> str:
-    """Markdown table: rows = tasks (+ overall), columns = AR-SFT, MARS at tau = 1, the chosen tau, verify."""
-    chosen = report["chosen_threshold"]
-    cols = [("AR-SFT (compute-matched)", "ar_sft", None), ("MARS τ=1.0", "mars", 1.0)]
-    if chosen < 1.0:
-        cols.append((f"MARS τ={chosen:g}", "mars", chosen))
-    if 0.9 not in (c[2] for c in cols):
-        cols.append(("MARS τ=0.9", "mars", 0.9))
-    cols.append(("MARS verify", "verify", None))
-    header = "| task | " + " | ".join(c[0] for c in cols) + " |"
-    sep = "|---|" + "---|" * len(cols)
-    lines = [header, sep]
-    tasks = list(report["per_task"]) + ["overall"]
-    for task in tasks:
-        cells = []
-        for _, kind, tau in cols:
-            if task == "overall":
-                if kind == "ar_sft":
-                    acc, tpf = report["ar_sft"]["accuracy"], None
-                elif kind == "verify":
-                    acc, tpf = report["verify"]["accuracy"], report["verify"]["tokens_per_forward"]
-                else:
-                    row = next(r for r in report["mars"] if r["threshold"] == tau)
-                    acc, tpf = row["accuracy"], row["tokens_per_forward"]
-            else:
-                entry = report["per_task"][task]
-                if kind == "ar_sft":
-                    acc, tpf = entry["ar_sft"], None
-                elif kind == "verify":
-                    acc, tpf = entry["verify"]["accuracy"], entry["verify"]["tokens_per_forward"]
-                else:
-                    e = entry["mars"][f"{tau:g}"]
-                    acc, tpf = e["accuracy"], e["tokens_per_forward"]
-            cells.append(f"{100 * acc:.1f}%" + ("" if tpf is None else f" · {tpf:.2f} tok/fwd"))
-        name = f"**{task}**" if task == "overall" else task
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def speed_table(report) -> str:
-    lines = ["| mode | τ | tokens/forward | accuracy (95% interval) | batch-1 speed-up vs plain generate |",
-             "|---|---|---|---|---|"]
-    a = report["ar_sft"]
-    lines.append(f"| AR-SFT baseline (plain generate) | – | 1.00 | {_ci(a['accuracy'], a.get('accuracy_ci95'))} | – |")
-    for r in report["mars"]:
-        lines.append(f"| MARS | {r['threshold']:g} | {r['tokens_per_forward']:.2f} | "
-                     f"{_ci(r['accuracy'], r.get('accuracy_ci95'))} | {r['speedup_vs_ar']:.2f}× |")
-    v = report["verify"]
-    lines.append(f"| MARS verify (lossless) | – | {v['tokens_per_forward']:.2f} | "
-                 f"{_ci(v['accuracy'], v.get('accuracy_ci95'))} | {v['speedup_vs_ar']:.2f}× |")
-    paired = report.get("paired_tau1_vs_ar_sft")
-    if paired:
-        lines += ["", f"MARS τ = 1 against AR-SFT on the same {paired['n']} questions: "
-                      f"{100 * paired['difference']:+.1f} points ({paired['only_first_right']} right only with MARS, "
-                      f"{paired['only_second_right']} only with AR-SFT); {paired['verdict']}."]
-    lines += ["", "| batch size | mode | cache | speed-up vs plain generate |", "|---|---|---|---|"]
-    for r in report["batch_speedup"]:
-        mode = "verify" if r.get("mode") == "verify" else f"τ={r['threshold']:g}"
-        lines.append(f"| {r['batch_size']} | {mode} | {r['cache']} | {r['speedup_vs_ar']:.2f}× |")
-    return "\n".join(lines)
-
-
-def pareto_plot(report, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = sorted(report["mars"], key=lambda r: r["tokens_per_forward"])
-    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
-    xs = [r["tokens_per_forward"] for r in rows]
-    ys = [100 * r["accuracy"] for r in rows]
-    ax.plot(xs, ys, "o-", color="tab:blue", label="MARS, threshold τ")
-    for r, x, y in zip(rows, xs, ys):
-        ax.annotate(f"{r['threshold']:g}", (x, y), textcoords="offset points", xytext=(4, 5), fontsize=8)
-    v = report["verify"]
-    ax.plot([v["tokens_per_forward"]], [100 * v["accuracy"]], "*", color="tab:green", markersize=14,
-            label="MARS verify (lossless)")
-    ax.axhline(100 * report["ar_sft"]["accuracy"], color="tab:red", linestyle="--",
-               label="AR-SFT baseline (compute-matched)")
-    ax.set_xlabel("tokens per forward pass")
-    ax.set_ylabel("exact-match accuracy, held-out split (%)")
-    ax.set_title(f"hf-mars demo: tiny Qwen2, B = {report['block_size']}")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -439,12 +145,14 @@ def run(args) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _resolve(args)
     t_start = time.time()
+    import shutil
+    import tempfile
+
     import torch
-    from tqdm.auto import tqdm
     from transformers import set_seed
     from transformers.utils import logging as hf_logging
 
-    from hf_mars.demo.data import TASKS, generate_examples
+    from hf_mars.demo.data import generate_examples
     from hf_mars.generation import enable_mars
 
     hf_logging.set_verbosity_error()
@@ -455,14 +163,11 @@ def run(args) -> int:
         raise ValueError(f"No AR-SFT base checkpoint at {base}. Rebuild the shipped one with "
                          "`python examples/build_tiny_base.py`, or pass --base DIR.")
     out = _prepare_output_dir(Path(args.output_dir))
-    import tempfile
-
     work = Path(tempfile.mkdtemp(prefix="_work-", dir=out))  # this run's own scratch folder, removed at the end
     set_seed(args.seed)
-    B = args.block_size
 
-    _log(f"base: {base}; {args.steps} fine-tuning steps x batch {args.batch_size} for MARS (B={B}) and for the "
-         f"AR-SFT baseline; {args.num_eval} held-out examples; torch threads: {torch.get_num_threads()}")
+    _log(f"base: {base}; {args.steps} fine-tuning steps x batch {args.batch_size} for MARS (B={args.block_size}) "
+         f"and for the AR-SFT baseline; {args.num_eval} held-out examples; torch threads: {torch.get_num_threads()}")
     train_ds = generate_examples(args.steps * args.batch_size, seed=args.seed + 1, split="train")
     eval_examples = generate_examples(args.num_eval, seed=args.seed, split="eval")
 
@@ -474,9 +179,40 @@ def run(args) -> int:
     _log(f"    done in {ar_train_s:.0f}s")
 
     enable_mars(mars_model)
-    n_eval = len(eval_examples)
-    eval_bs = 64
     _log("3/5 accuracy on the held-out split")
+    scores = _evaluate(mars_model, tokenizer, ar_model, ar_tokenizer, eval_examples, args)
+    _log("4/5 wall-clock against plain generate (greedy, KV cache) on the same checkpoint")
+    timings = _time_decoding(mars_model, tokenizer, eval_examples, scores["tau_star"], args)
+    report = _build_report(args, base, scores, timings, mars_train_s, ar_train_s)
+
+    _log("5/5 writing outputs")
+    ckpt = _write_outputs(report, out, mars_model, tokenizer, eval_examples[0]["messages"][0]["content"])
+    report["wall_seconds"] = round(time.time() - t_start, 1)
+    report["outputs"] = {"plot": str(out / "pareto.png"), "table": str(out / "per_task.md"),
+                         "checkpoint": str(ckpt)}
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    shutil.rmtree(work, ignore_errors=True)
+
+    print()
+    print(per_task_table(report))
+    print()
+    print(speed_table(report))
+    print()
+    _log(f"chosen quality-keeping threshold: {report['chosen_threshold']:g} (within {100 * QUALITY_MARGIN:.1f} "
+         "points of τ=1.0)")
+    _log(f"wrote {out / 'report.json'}, {out / 'per_task.md'}, {out / 'pareto.png'} and {ckpt}/ "
+         f"in {report['wall_seconds']:.0f}s")
+    return 0
+
+
+def _evaluate(mars_model, tokenizer, ar_model, ar_tokenizer, eval_examples, args) -> dict:
+    """Step 3: accuracy of the AR-SFT baseline, of the MARS checkpoint under plain generate, at every τ of the sweep
+    and in verify mode; per-question hits for the intervals and the paired test; the quality-keeping τ."""
+    from tqdm.auto import tqdm
+
+    from hf_mars.demo.data import score
+
+    n_eval, eval_bs, B = len(eval_examples), 64, args.block_size
     with tqdm(total=n_eval * (2 + len(THRESHOLDS) + 1), desc="evaluating", unit="ex") as bar:
         ar_res = evaluate_ar(ar_model, ar_tokenizer, eval_examples, eval_bs, progress=bar)
         greedy_res = evaluate_ar(mars_model, tokenizer, eval_examples, eval_bs, progress=bar)  # plain generate
@@ -488,42 +224,58 @@ def run(args) -> int:
         verify_res = _per_task_tpf(eval_examples, mars_model, tokenizer, eval_bs, bar,
                                    **_mars_kwargs(args.verify_threshold, B, verify=True))
 
-    from hf_mars.demo.data import score
-
     def hits(predictions):  # per-question correctness, for intervals and the paired test
         return [score(ex["task"], p, ex["messages"][1]["content"]) for ex, p in zip(eval_examples, predictions)]
 
-    ar_hits, tau1_hits = hits(ar_res["predictions"]), hits(sweep[1.0]["predictions"])
     mars_rows = [{"threshold": tau, "accuracy": sweep[tau]["accuracy"],
                   "accuracy_ci95": wilson_interval(sum(hits(sweep[tau]["predictions"])), n_eval),
                   "tokens_per_forward": sweep[tau]["tokens_per_forward"]} for tau in THRESHOLDS]
-    chosen = pick_quality_threshold(mars_rows)
-    tau_star = chosen["threshold"]
+    return {"ar": ar_res, "greedy": greedy_res, "sweep": sweep, "verify": verify_res, "mars_rows": mars_rows,
+            "ar_hits": hits(ar_res["predictions"]), "tau1_hits": hits(sweep[1.0]["predictions"]),
+            "verify_hits": hits(verify_res["predictions"]), "n": n_eval,
+            "tau_star": pick_quality_threshold(mars_rows)["threshold"]}
 
-    _log("4/5 wall-clock against plain generate (greedy, KV cache) on the same checkpoint")
-    timing_prompts = _prompts(tokenizer, eval_examples[:args.timing_prompts])
+
+def _time_decoding(mars_model, tokenizer, eval_examples, tau_star, args) -> dict:
+    """Step 4: ``{batch size: {setting: seconds}}`` for plain generate and MARS on the same checkpoint, timed
+    interleaved (`time_interleaved`): every τ and verify at batch 1, τ* (both caches) and verify at larger batches."""
+    from tqdm.auto import tqdm
+
+    B, repeats = args.block_size, args.timing_repeats
+    prompts = _prompts(tokenizer, eval_examples[:args.timing_prompts])
     timings = {}
     n_runs = (1 + len(THRESHOLDS) + 1) + 2 * (2 + len(CACHES)) + 1
-    with tqdm(total=n_runs * args.timing_repeats, desc="timing", unit="run") as bar:
-        batches = _encode_batches(tokenizer, timing_prompts, 1)
+    with tqdm(total=n_runs * repeats, desc="timing", unit="run") as bar:
+        batches = _encode_batches(tokenizer, prompts, 1)
         runs = {"ar": {}}
         runs.update({f"tau={tau:g}": _mars_kwargs(tau, B) for tau in THRESHOLDS})
         runs["verify"] = _mars_kwargs(args.verify_threshold, B, verify=True)
-        timings[1] = time_interleaved(mars_model, batches, runs, args.timing_repeats, bar)
+        timings[1] = time_interleaved(mars_model, batches, runs, repeats, bar)
         for bs in BATCH_SIZES[1:]:
-            batches = _encode_batches(tokenizer, timing_prompts, bs)
+            batches = _encode_batches(tokenizer, prompts, bs)
             runs = {"ar": {}}
             for cache in CACHES:
                 runs[f"tau*:{cache}"] = _mars_kwargs(tau_star, B, cache=cache)
             runs["verify:sliding"] = _mars_kwargs(args.verify_threshold, B, verify=True)  # verify keeps its own sliding cache
-            timings[bs] = time_interleaved(mars_model, batches, runs, args.timing_repeats, bar)
+            timings[bs] = time_interleaved(mars_model, batches, runs, repeats, bar)
         # batch 1, block cache (the sliding figures at batch 1 come from the sweep above)
-        batches = _encode_batches(tokenizer, timing_prompts, 1)
+        batches = _encode_batches(tokenizer, prompts, 1)
         runs = {"tau*:block": _mars_kwargs(tau_star, B, cache="block")}
-        timings[1].update(time_interleaved(mars_model, batches, runs, args.timing_repeats, bar))
-        timings[1][f"tau*:sliding"] = timings[1][f"tau={tau_star:g}"]
+        timings[1].update(time_interleaved(mars_model, batches, runs, repeats, bar))
+        timings[1]["tau*:sliding"] = timings[1][f"tau={tau_star:g}"]
         timings[1]["verify:sliding"] = timings[1]["verify"]
+    return timings
 
+
+def _build_report(args, base, scores, timings, mars_train_s, ar_train_s) -> dict:
+    """The ``report.json`` dict (its keys are a contract: README, tests, `BenchmarkReport`, the model card)."""
+    import torch
+
+    from hf_mars.demo.data import TASKS
+
+    n_eval, tau_star = scores["n"], scores["tau_star"]
+    ar_res, sweep, verify_res = scores["ar"], scores["sweep"], scores["verify"]
+    mars_rows = scores["mars_rows"]
     for row in mars_rows:
         row["speedup_vs_ar"] = timings[1]["ar"] / timings[1][f"tau={row['threshold']:g}"]
     batch_speedup = []
@@ -533,31 +285,25 @@ def run(args) -> int:
                                   "speedup_vs_ar": timings[bs]["ar"] / timings[bs][f"tau*:{cache}"]})
         batch_speedup.append({"batch_size": bs, "threshold": args.verify_threshold, "cache": "sliding", "mode": "verify",
                               "speedup_vs_ar": timings[bs]["ar"] / timings[bs]["verify:sliding"]})
-
-    per_task = {}
-    for task in TASKS:
-        if task not in ar_res["per_task"]:
-            continue
-        per_task[task] = {
-            "ar_sft": ar_res["per_task"][task],
-            "mars": {f"{tau:g}": sweep[tau]["per_task"][task] for tau in THRESHOLDS},
-            "verify": verify_res["per_task"][task],
-        }
-    report = {
-        "block_size": B,
+    per_task = {task: {"ar_sft": ar_res["per_task"][task],
+                       "mars": {f"{tau:g}": sweep[tau]["per_task"][task] for tau in THRESHOLDS},
+                       "verify": verify_res["per_task"][task]}
+                for task in TASKS if task in ar_res["per_task"]}
+    return {
+        "block_size": args.block_size,
         "quick": bool(args.quick),
-        "ar_sft": {"accuracy": ar_res["accuracy"], "accuracy_ci95": wilson_interval(sum(ar_hits), n_eval),
+        "ar_sft": {"accuracy": ar_res["accuracy"], "accuracy_ci95": wilson_interval(sum(scores["ar_hits"]), n_eval),
                    "tokens_per_forward": 1.0, "train_seconds": round(ar_train_s, 1)},
-        "paired_tau1_vs_ar_sft": paired_comparison(tau1_hits, ar_hits),
-        "mars_greedy": {"accuracy": greedy_res["accuracy"],
-                        "identical_to_tau_1": greedy_res["predictions"] == sweep[1.0]["predictions"]},
+        "paired_tau1_vs_ar_sft": paired_comparison(scores["tau1_hits"], scores["ar_hits"]),
+        "mars_greedy": {"accuracy": scores["greedy"]["accuracy"],
+                        "identical_to_tau_1": scores["greedy"]["predictions"] == sweep[1.0]["predictions"]},
         "mars": mars_rows,
         "verify": {"accuracy": verify_res["accuracy"],
-                   "accuracy_ci95": wilson_interval(sum(hits(verify_res["predictions"])), n_eval),
+                   "accuracy_ci95": wilson_interval(sum(scores["verify_hits"]), n_eval),
                    "tokens_per_forward": verify_res["tokens_per_forward"],
                    "speedup_vs_ar": timings[1]["ar"] / timings[1]["verify"],
                    "threshold": args.verify_threshold,  # verify: tau only truncates the drafts
-                   "identical_to_greedy": verify_res["predictions"] == greedy_res["predictions"]},
+                   "identical_to_greedy": verify_res["predictions"] == scores["greedy"]["predictions"]},
         "chosen_threshold": tau_star,
         "batch_speedup": batch_speedup,
         "per_task": per_task,
@@ -577,37 +323,21 @@ def run(args) -> int:
         "description": "Tiny character-level Qwen2 fine-tuned with MARS by `hf-mars demo` on the bundled tasks.",
     }
 
-    _log("5/5 writing outputs")
-    table = per_task_table(report)
-    speeds = speed_table(report)
-    (out / "per_task.md").write_text("## Per-task accuracy and tokens per forward\n\n" + table +
-                                     "\n\n## Speed\n\n" + speeds + "\n", encoding="utf-8")
-    pareto_plot(report, out / "pareto.png")
-    from hf_mars.hub import save_for_hub
 
-    ckpt = out / "mars-checkpoint"
-    if ckpt.exists():  # a previous demo run's checkpoint: written fresh, so no stale file is ever pushed
-        import shutil
-
-        shutil.rmtree(ckpt)
-    mars_model.generation_config.do_sample = False
-    example = eval_examples[0]["messages"][0]["content"]
-    save_for_hub(mars_model, tokenizer, ckpt, benchmark=report, mars_threshold=tau_star, mars_block_size=B,
-                 model_name="tiny-mars-demo", description=report["description"], example_prompt=example)
-    report["wall_seconds"] = round(time.time() - t_start, 1)
-    report["outputs"] = {"plot": str(out / "pareto.png"), "table": str(out / "per_task.md"),
-                         "checkpoint": str(ckpt)}
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+def _write_outputs(report, out: Path, mars_model, tokenizer, example_prompt: str) -> Path:
+    """Step 5: ``per_task.md``, ``pareto.png`` and the Hub-ready ``mars-checkpoint/`` (its card shows the report)."""
     import shutil
 
-    shutil.rmtree(work, ignore_errors=True)
+    from hf_mars.hub import save_for_hub
 
-    print()
-    print(table)
-    print()
-    print(speeds)
-    print()
-    _log(f"chosen quality-keeping threshold: {tau_star:g} (within {100 * QUALITY_MARGIN:.1f} points of τ=1.0)")
-    _log(f"wrote {out / 'report.json'}, {out / 'per_task.md'}, {out / 'pareto.png'} and {ckpt}/ "
-         f"in {report['wall_seconds']:.0f}s")
-    return 0
+    (out / "per_task.md").write_text("## Per-task accuracy and tokens per forward\n\n" + per_task_table(report) +
+                                     "\n\n## Speed\n\n" + speed_table(report) + "\n", encoding="utf-8")
+    pareto_plot(report, out / "pareto.png")
+    ckpt = out / "mars-checkpoint"
+    if ckpt.exists():  # a previous demo run's checkpoint: written fresh, so no stale file is ever pushed
+        shutil.rmtree(ckpt)
+    mars_model.generation_config.do_sample = False
+    save_for_hub(mars_model, tokenizer, ckpt, benchmark=report, mars_threshold=report["chosen_threshold"],
+                 mars_block_size=report["block_size"], model_name="tiny-mars-demo",
+                 description=report["description"], example_prompt=example_prompt)
+    return ckpt
