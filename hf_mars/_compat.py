@@ -1,11 +1,14 @@
 """Every private API of transformers and TRL that hf-mars relies on, in one place.
 
-Each accessor says what it reads and why no public API does the job; `tests/test_compat.py` checks each one
-against the installed versions, so an upgrade that moves one fails loudly there instead of silently elsewhere.
-(`hf_mars/generation.py` ships standalone inside checkpoints and uses public transformers APIs only.)
+Each accessor says what it reads and why no public API does the job, and a test checks each one against the
+installed versions (`tests/test_compat.py`; the `transformers serve` part, below, `tests/test_serve_contract.py`),
+so an upgrade that moves one fails loudly there instead of silently elsewhere. (`hf_mars/generation.py` ships
+standalone inside checkpoints, so it cannot import this module.)
 """
 
 from __future__ import annotations
+
+import inspect
 
 # TRL's fused LM-head forward (``model(..., fused_lm_head=True, shift_labels=...)``) returns these per-token fields
 # instead of logits; the MARS loss and metrics read them.
@@ -98,3 +101,170 @@ def trl_processing_class(model, args, revision=None):
 
     return AutoProcessor.from_pretrained(get_config_model_id(model.config), revision=revision,
                                          trust_remote_code=args.trust_remote_code)
+
+
+# ============================================================================================= transformers serve
+# Every part of `transformers serve` (``transformers.cli.serving``) that `hf-mars serve` touches, in one place.
+#
+# We reuse its request handlers (chat templates, response parsers for tools and reasoning, the OpenAI response
+# objects, SSE chunks) and its model manager, and override four of their private methods: ``handle_request`` (so
+# templating and tokenizing run off the event loop and every length is checked before a request is queued),
+# ``_resolve_model`` (the served model name, never its local path), ``_build_generation_config`` (OpenAI's
+# sampling semantics, the seed per call) and ``ModelManager._load_model`` (MARS switched on). The batching manager
+# reads a streamer's cancellation flag and writes errors into its queue.
+#
+# Tested with transformers ``TESTED_TRANSFORMERS`` (the floor and the latest release); `tests/test_serve_contract.py`
+# checks every name and signature used here, so a release that moves one fails there with the name, not elsewhere.
+
+
+TESTED_TRANSFORMERS = ("5.17.0", "5.24.0")
+# what transformers' SSE generators write for a `_StreamError` (unescaped): `data: {"error": "<message>"}`
+STREAM_ERROR_PREFIX = 'data: {"error": '
+
+
+def untested_version() -> str | None:
+    """A warning when the installed transformers is outside ``TESTED_TRANSFORMERS`` (None inside)."""
+    import transformers
+    from packaging.version import Version
+
+    low, high = (Version(v) for v in TESTED_TRANSFORMERS)
+    installed = Version(transformers.__version__)
+    if low <= installed and installed.release[:2] <= high.release[:2]:
+        return None
+    return (f"hf-mars serve is tested with transformers {TESTED_TRANSFORMERS[0]} to {TESTED_TRANSFORMERS[1][:4]}x; "
+            f"{installed} is installed: its serving internals may have moved (tests/test_serve_contract.py checks)")
+
+
+# --------------------------------------------------------------------------------------------- streamers
+def make_streamer(processor, loop, queue, response_parser=None):
+    """transformers' `DirectStreamer`: decodes token ids incrementally into ``queue`` on ``loop``."""
+    from transformers.cli.serving.utils import DirectStreamer
+
+    tokenizer = getattr(processor, "tokenizer", processor)
+    return DirectStreamer(tokenizer._tokenizer, loop, queue, response_parser=response_parser)
+
+
+def stream_cancelled(streamer) -> bool:
+    """Whether the client of a stream went away (the handler sets ``_cancelled`` on disconnect)."""
+    return streamer._cancelled.is_set()
+
+
+def stream_fail(streamer, message: str) -> None:
+    """End a stream with an error item; the handler turns it into a ``STREAM_ERROR_PREFIX`` line."""
+    from transformers.cli.serving.utils import _StreamError
+
+    streamer._enqueue(_StreamError(message))
+
+
+def generation_cancelled_error():
+    """The exception a cancelled streamer raises from ``put``."""
+    from transformers.cli.serving.utils import _GenerationCancelled
+
+    return _GenerationCancelled
+
+
+# --------------------------------------------------------------------------------------------- model manager
+def model_manager(model: str, *, device: str, dtype: str, trust_remote_code: bool, prepare):
+    """transformers' `ModelManager` serving ``model`` only, never unloading it, ``prepare(model)`` on load."""
+    from transformers.cli.serving.model_manager import ModelManager
+
+    class MARSModelManager(ModelManager):
+        def _load_model(self, *args, **kwargs):
+            return prepare(super()._load_model(*args, **kwargs))
+
+    return MARSModelManager(device=device, dtype=dtype, trust_remote_code=trust_remote_code, force_model=model,
+                            model_timeout=-1)
+
+
+# --------------------------------------------------------------------------------------------- handlers
+def handler_classes():
+    """``{"chat": ..., "completion": ..., "response": ...}``: transformers' handlers with our four overrides.
+
+    Each subclass is built by `_handler` around two small hooks: how a validated body becomes model inputs
+    (run in a worker thread) and how the inputs are dispatched to the base class's streaming / non-streaming path.
+    """
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
+    from transformers.cli.serving.completion import CompletionHandler
+    from transformers.cli.serving.response import ResponseHandler
+
+    def chat_inputs(self, body, model, processor):
+        modality = self.model_manager.get_model_modality(model, processor=processor)
+        messages = self.get_processor_inputs_from_messages(body["messages"], modality)
+        return processor.apply_chat_template(messages, add_generation_prompt=True, tools=body.get("tools"),
+                                             return_tensors="pt", return_dict=True, tokenize=True,
+                                             **(body.get("chat_template_kwargs") or {}))
+
+    def chat_dispatch(self, request_id, model, processor, model_id, body, inputs, gc, manager):
+        run = self._streaming if body.get("stream") else self._non_streaming
+        return run(request_id, model, processor, model_id, inputs, gc, gen_manager=manager,
+                   **_if_accepted(run, tools=body.get("tools")))
+
+    def completion_inputs(self, body, model, processor):
+        return getattr(processor, "tokenizer", processor)(body["prompt"], return_tensors="pt")
+
+    def completion_dispatch(self, request_id, model, processor, model_id, body, inputs, gc, manager):
+        run = self._streaming if body.get("stream") else self._non_streaming
+        return run(request_id, model, processor, model_id, inputs, gc, manager, body.get("suffix"))
+
+    def response_inputs(self, body, model, processor):
+        modality = self.model_manager.get_model_modality(model, processor=processor)
+        messages = self.get_processor_inputs_from_messages(self._normalize_input(body), modality)
+        return processor.apply_chat_template(messages, add_generation_prompt=True,
+                                             tools=self._normalize_tools(body.get("tools")), return_tensors="pt",
+                                             return_dict=True, tokenize=True,
+                                             **(body.get("chat_template_kwargs") or {}))
+
+    def response_dispatch(self, request_id, model, processor, model_id, body, inputs, gc, manager):
+        run = self._streaming if body.get("stream", True) else self._non_streaming
+        return run(request_id, model, processor, model_id, body, inputs, gc, gen_manager=manager,
+                   **_if_accepted(run, tools=self._normalize_tools(body.get("tools"))))
+
+    return {"chat": _handler(ChatCompletionHandler, chat_inputs, chat_dispatch),
+            "completion": _handler(CompletionHandler, completion_inputs, completion_dispatch),
+            "response": _handler(ResponseHandler, response_inputs, response_dispatch)}
+
+
+def _if_accepted(fn, **kwargs) -> dict:
+    """The keyword arguments ``fn`` takes (``tools=`` arrived in transformers 5.2x)."""
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _handler(base, inputs_fn, dispatch_fn):
+    class Handler(base):
+        """``base`` with every request checked before it is queued (see `hf_mars.serve.requests`)."""
+
+        def __init__(self, *args, served_name: str, admit, **kwargs):
+            super().__init__(*args, **kwargs)
+            # admit: the server's `Admission` (length limits, sampling fields, the worker threads)
+            self.served_name, self.admit = served_name, admit
+
+        async def handle_request(self, body: dict, request_id: str):
+            def prepare():  # model loading, the chat template (it may be slow) and the tokenizer: off the loop
+                _, model, processor = self._resolve_model(body)
+                return model, processor, inputs_fn(self, body, model, processor)
+
+            model, processor, inputs = await self.admit.run_off_loop(prepare)
+            max_new = self.admit.max_new_tokens(body, model, inputs["input_ids"].shape[-1])
+            inputs = inputs.to(model.device)
+            gc = self._build_generation_config(body, model.generation_config)
+            gc.max_new_tokens = max_new
+            manager = self.generation_state.get_manager(self.served_name)
+            result = dispatch_fn(self, request_id, model, processor, self.served_name, body, inputs, gc, manager)
+            return await result if inspect.isawaitable(result) else result
+
+        def _resolve_model(self, body):
+            mm = self.model_manager
+            model, processor = mm.load_model_and_processor(mm.process_model_name(mm.force_model))
+            return self.served_name, model, processor
+
+        def _build_generation_config(self, body, model_generation_config, use_cb=False):
+            # OpenAI's sampling fields and the seed are applied by `Admission.sampling` (the seed on the decode
+            # thread, right before its own generate call: transformers would seed the global generator here, on
+            # the event loop, under every other request)
+            passed = {k: v for k, v in body.items() if k not in ("seed", "temperature", "top_p")}
+            gc = super()._build_generation_config(passed, model_generation_config, use_cb=use_cb)
+            return self.admit.sampling(gc, body)
+
+    Handler.__name__ = Handler.__qualname__ = f"MARS{base.__name__}"
+    return Handler

@@ -1,6 +1,6 @@
 """The `transformers serve` and uvicorn internals `hf-mars serve` touches, checked against the installed versions.
 
-A failure here means an upgrade moved one: fix `hf_mars/serve/_transformers.py` (or the uvicorn protocol in
+A failure here means an upgrade moved one: fix the serve section of `hf_mars/_compat.py` (or the uvicorn protocol in
 `hf_mars/serve/command.py`), nowhere else, and widen `TESTED_TRANSFORMERS` once the suite passes.
 """
 
@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from hf_mars.serve import _transformers as tf  # noqa: E402
+from hf_mars import _compat as tf  # noqa: E402
 
 
 def _params(fn):
@@ -51,7 +51,7 @@ def test_handler_methods_we_call_or_override():
         fn = getattr(cls, name, None)
         if fn is None or _params(fn)[: len(params)] != params:
             moved.append(f"{cls.__name__}.{name}{tuple(params)} -> {None if fn is None else _params(fn)}")
-    assert not moved, "transformers serve moved what hf_mars/serve/_transformers.py uses:\n" + "\n".join(moved)
+    assert not moved, "transformers serve moved what hf_mars/_compat.py uses:\n" + "\n".join(moved)
 
 
 def test_model_manager_and_streamer_internals():

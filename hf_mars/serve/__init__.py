@@ -4,8 +4,8 @@ Requests that wait at the same time are decoded together in one left-padded MARS
 that call is read off a declared ladder from the load when it starts (requests waiting + in flight): an idle
 server answers at τ = 1 (exactly the AR model), a loaded one lowers τ and emits more tokens per forward.
 `--lossless` decodes every rung in verify mode (output equal to greedy). Request parsing, chat templates, tool and
-reasoning parsers and the response objects are `transformers serve`'s handlers (`_transformers.py`, the one
-module touching its internals); the rest is ours:
+reasoning parsers and the response objects are `transformers serve`'s handlers (reached through
+`hf_mars/_compat.py`, the one module touching private transformers APIs); the rest is ours:
 
 - `ladder.py`: the τ ladder; `metrics.py`: Prometheus metrics with bounded labels;
 - `requests.py`: strict request schemas and the server's limits, applied before a request is queued;

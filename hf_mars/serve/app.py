@@ -16,7 +16,7 @@ import os
 import uuid
 from contextlib import asynccontextmanager
 
-from . import _transformers as tf
+from .. import _compat as tf
 from .batching import MARSBatchingManager
 from .errors import HTTPError
 from .ladder import TauLadder

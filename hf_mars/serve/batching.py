@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import _compat as tf
 from ..generation import DEFAULT_VERIFY_THRESHOLD
-from . import _transformers as tf
 from .errors import HTTPError
 from .ladder import TauLadder
 from .metrics import Metrics

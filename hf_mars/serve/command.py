@@ -118,7 +118,7 @@ def run(args):
                     public_metrics=args.public_metrics, max_body_bytes=args.max_body_bytes,
                     read_timeout=args.read_timeout, template_timeout=args.template_timeout,
                     trust_request_chat_template=args.trust_request_chat_template)
-    from ._transformers import untested_version
+    from .._compat import untested_version
 
     if untested_version():
         print(f"warning: {untested_version()}", flush=True)
