@@ -183,8 +183,8 @@ def validate_repo_id(repo_id) -> str:
 
 def generation_package_files() -> list[Path]:
     """The modules of hf_mars/generation/ a checkpoint ships (found through the import system, not imported):
-    ``generate.py``, the entry transformers loads, and the siblings it imports (the package's ``__init__`` is
-    not needed: transformers copies a module's relative imports next to it)."""
+    ``generate.py``, the entry transformers loads, and the siblings it imports, directly or not (transformers
+    copies a module's relative imports next to it; the package's ``__init__`` is not needed)."""
     import importlib.util
 
     spec = importlib.util.find_spec(GENERATION_MODULE)
@@ -194,7 +194,16 @@ def generation_package_files() -> list[Path]:
             "reinstall hf-mars from source (`pip install -e .`)."
         )
     folder = Path(list(spec.submodule_search_locations)[0])
-    return sorted(p for p in folder.glob("*.py") if p.name != "__init__.py")
+    needed, todo = set(), ["generate"]
+    while todo:
+        name = todo.pop()
+        if name in needed or not (folder / f"{name}.py").is_file():
+            continue
+        needed.add(name)
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                todo.append(node.module)
+    return sorted(folder / f"{name}.py" for name in needed)
 
 
 def _check_standalone(source: str, origin, siblings: set) -> None:
@@ -680,8 +689,7 @@ def upload_file_list(directory) -> list[str]:
 
     Uses huggingface_hub's own filter with the same patterns upload_folder applies.
     """
-    from huggingface_hub.utils import filter_repo_objects
-    from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS
+    from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
     root = Path(directory).expanduser().resolve()
     rel = [p.relative_to(root).as_posix() for p in sorted(root.glob("**/*")) if p.is_file()]

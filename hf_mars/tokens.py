@@ -15,7 +15,9 @@ MARS_CONFIG_KEY = "mars"
 
 def get_mars_metadata(config) -> dict | None:
     """Return the ``config.mars`` dict (or None when the model was never prepared for MARS)."""
-    from .generation import read_mars_metadata  # the one reader (generation.py also ships standalone)
+    from .generation import (
+        read_mars_metadata,  # the one reader (generation.py also ships standalone)
+    )
 
     return read_mars_metadata(config) or None
 

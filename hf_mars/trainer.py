@@ -9,9 +9,7 @@ targets, ``L = noisy CE + ar_weight * clean CE`` under "sequence" or "token" nor
 from __future__ import annotations
 
 import dataclasses
-
 import math
-
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,16 +19,21 @@ from transformers import PreTrainedTokenizerBase, ProcessorMixin
 from trl import SFTConfig, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
+from ._compat import (
+    attn_implementation,
+    router_logits_recorder,
+    trl_count_train_tokens,
+    trl_metrics,
+)
+from .generation import check_block_size
 from .masking import (
     build_model_mars_mask,
-    model_attention_layout,
     build_noisy_input_ids,
+    model_attention_layout,
     positions_from_attention_mask,
     sequence_ids_from_positions,
     shift_labels_for_positions,
 )
-from ._compat import attn_implementation, router_logits_recorder, trl_count_train_tokens, trl_metrics
-from .generation import check_block_size
 from .tokens import DEFAULT_MASK_TOKEN, add_mask_token, set_mars_metadata
 
 __all__ = ["MARSConfig", "MARSDataCollator", "MARSTrainer"]

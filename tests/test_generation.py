@@ -11,7 +11,12 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LogitsProcessorList, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    LogitsProcessorList,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 from transformers.generation import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_mars import add_mask_token, save_for_hub
-from hf_mars import hub
+from hf_mars import add_mask_token, hub, save_for_hub
 from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
 from hf_mars.tokens import set_mars_metadata
 
@@ -296,9 +295,10 @@ def _with_training_junk(folder: Path, tmp_path: Path) -> Path:
     return ckpt
 
 
-EXPECTED_FILES = ["README.md", "chat_template.jinja", "config.json", "custom_generate/generate.py",
-                  "custom_generate/requirements.txt", "generation_config.json", "model.safetensors",
-                  "tokenizer.json", "tokenizer_config.json"]
+EXPECTED_FILES = sorted(["README.md", "chat_template.jinja", "config.json", "custom_generate/requirements.txt",
+                         "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+                        + [f"custom_generate/{name}.py" for name in ("api", "cache", "clients", "config", "decoder",
+                                                                       "exact", "generate", "plan", "rules")])
 
 
 def test_dry_run_lists_exactly_what_upload_folder_commits(saved, tmp_path, monkeypatch, no_network):

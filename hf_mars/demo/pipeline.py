@@ -521,7 +521,7 @@ def run(args) -> int:
         batches = _encode_batches(tokenizer, timing_prompts, 1)
         runs = {"tau*:block": _mars_kwargs(tau_star, B, cache="block")}
         timings[1].update(time_interleaved(mars_model, batches, runs, args.timing_repeats, bar))
-        timings[1][f"tau*:sliding"] = timings[1][f"tau={tau_star:g}"]
+        timings[1]["tau*:sliding"] = timings[1][f"tau={tau_star:g}"]
         timings[1]["verify:sliding"] = timings[1]["verify"]
 
     for row in mars_rows:

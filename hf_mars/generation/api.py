@@ -116,19 +116,16 @@ def mars_generate(model, input_ids, logits_processor=None, stopping_criteria=Non
         raise ValueError(
             "mars_generate runs MARS decoding; for plain decoding call generate without custom_generate=mars_generate "
             "(or, after enable_mars, without mars arguments).")
-    given = {k: model_kwargs.pop(k) for k in MARSGenerationConfig.argument_names() if k in model_kwargs}
     # parameters sharded across ranks (ZeRO-3 / FSDP): every rank must forward in lockstep until all are done.
     # transformers does not hand a callable its synced_gpus, so infer it as transformers does
     synced = _sharded_across_ranks(model) if synced_gpus is None else bool(synced_gpus)
     if synced and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise ValueError("synced_gpus=True needs an initialised torch.distributed process group.")
-    check_supported(model, generation_config, model_kwargs, input_ids)
-    opts = MARSGenerationConfig.resolve(model, generation_config, base=mars_config, **given)
     if mars_streamer is not None:
         streamer = mars_streamer
-        streamer.put(input_ids.cpu())
-    decoder = MARSDecoder(model, input_ids, logits_processor, stopping_criteria, generation_config, opts, streamer,
-                          model_kwargs)
+    decoder = start_decoder(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                            mars_config, model_kwargs)
+    opts = decoder.opts
     sequences = decoder.run(synced=synced)
     if streamer is not None:
         streamer.end()
@@ -150,6 +147,19 @@ def mars_generate(model, input_ids, logits_processor=None, stopping_criteria=Non
         mars_emitted_tokens=torch.tensor(decoder.rows.emitted, dtype=torch.long, device=decoder.device),
         **{("cache" if "cache" in fields else "past_key_values"): clean_cache},
     )
+
+
+def start_decoder(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, mars_config,
+                  model_kwargs) -> MARSDecoder:
+    """Check the call, resolve its options (the ``mars_*`` arguments are popped from ``model_kwargs``) and set up
+    its decoder; the streamer gets the prompt first, as generate hands it."""
+    given = {k: model_kwargs.pop(k) for k in MARSGenerationConfig.argument_names() if k in model_kwargs}
+    check_supported(model, generation_config, model_kwargs, input_ids)
+    opts = MARSGenerationConfig.resolve(model, generation_config, base=mars_config, **given)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    return MARSDecoder(model, input_ids, logits_processor, stopping_criteria, generation_config, opts, streamer,
+                       model_kwargs)
 
 
 def _with_option_parameters(func):

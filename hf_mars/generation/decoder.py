@@ -66,13 +66,34 @@ class Rows:
     drafts: list  # verify mode: each row's pending drafts
     forwards: list  # forward passes each row took part in
     streamed: list  # lagging criteria: tokens streamed (never past `checked`)
+    limit: list  # new tokens each row may emit
     chunk_start: bool = True  # block cache: the next step starts a chunk
     checked: int = 0  # lagging criteria: positions 1..checked have had their AR call
 
     @classmethod
-    def new(cls, b: int, prompt_len: int) -> Rows:
+    def new(cls, b: int, prompt_len: int, limit: int) -> Rows:
         return cls(emitted=[0] * b, fed=[-prompt_len] * b, unfinished=[True] * b, in_chunk=[0] * b,
-                   tokens=[[] for _ in range(b)], drafts=[[] for _ in range(b)], forwards=[0] * b, streamed=[0] * b)
+                   tokens=[[] for _ in range(b)], drafts=[[] for _ in range(b)], forwards=[0] * b, streamed=[0] * b,
+                   limit=[limit] * b)
+
+    def select(self, keep: list) -> None:
+        """Keep only the rows ``keep`` (in that order)."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                setattr(self, f.name, [value[i] for i in keep])
+
+    def extend(self, other: Rows) -> None:
+        """Append another generation's rows."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                value.extend(getattr(other, f.name))
+
+
+def slot_vocab(*decoders) -> int:
+    """The vocabulary of the drafts' distributions (verify sampling), from whichever decoder has them."""
+    return next(d.q_drafts.shape[-1] for d in decoders if d.q_drafts is not None)
 
 
 class MARSDecoder:
@@ -111,7 +132,8 @@ class MARSDecoder:
                                    needed=P + max(self.max_new, 0) + 3 * candidates + 2)
         self._prepare_prompt(input_ids, model_kwargs.get("attention_mask"), max_slots)
         self._prepare_forward(generation_config, model_kwargs)
-        self.rows = Rows.new(b, P)
+        self.rows = Rows.new(b, P, self.max_new)
+        self.row_tau = self.tau_t = None  # per-row tau (`set_row_taus`); None: opts.threshold for every row
         self.q_drafts = None  # verify + sampling: the distributions the pending drafts were drawn from
         self.copies_failed = False  # a stateful processor could not be copied (`exact.disposable_chain`)
         self.records = [] if (self.output_scores or self.output_logits) else None
@@ -119,7 +141,7 @@ class MARSDecoder:
         # ragged rows leave masked columns in the cache, which every later forward pays for: compacted away
         # (dynamic full-attention caches, unlocked batches only). Sliding-window and static caches need every
         # row to accept the same count each step (the exact path already moves rows that way)
-        self.compactable = b > 1 and not self.clients.exact and not self.shape.block and not (
+        self.compactable = not self.clients.exact and not self.shape.block and not (
             self.cache.sliding or self.cache.static)
         self.lockstep = b > 1 and not self.clients.exact and (self.cache.sliding or self.cache.static)
 
@@ -177,11 +199,12 @@ class MARSDecoder:
         if self.records is not None:
             self.records.append((decision.scores if self.output_scores else None, raw_logits, accepted))
         rows = self.rows
-        finished = [plan.active[r] and (decision.stopped[r] or rows.emitted[r] + accepted[r] >= self.max_new)
+        finished = [plan.active[r] and (decision.stopped[r] or rows.emitted[r] + accepted[r] >= rows.limit[r])
                     for r in range(self.batch)]
         keep_cols = self._roll_back(plan, col_real, accepted, finished)
         self._commit(plan, keep_cols, decision, finished)
-        if self.compactable and self.cache.compact(max(p + f for p, f in zip(self.prompt_real_host, rows.fed))):
+        if self.compactable and self.cache.attn is not None and self.cache.compact(
+                max(p + f for p, f in zip(self.prompt_real_host, rows.fed))):
             self.compactions += 1
         if self.clients.lagging is not None:
             self._check_lagging()
@@ -287,7 +310,15 @@ class MARSDecoder:
         return scores, chosen
 
     def confident(self, scores, chosen, of_distribution):
-        return confidence(self.opts.acceptance, chosen, scores, of_distribution=of_distribution) >= self.opts.threshold
+        """Whether each slot's confidence clears its row's tau."""
+        tau = self.opts.threshold if self.tau_t is None else self.tau_t
+        return confidence(self.opts.acceptance, chosen, scores, of_distribution=of_distribution) >= tau
+
+    def set_row_taus(self, taus: list) -> None:
+        """A tau per row from the next step on (a row at 1.0 takes exactly the AR token: no masks are read)."""
+        if taus != self.row_tau:
+            self.row_tau = list(taus)
+            self.tau_t = torch.tensor(taus, dtype=torch.float32).view(-1, 1).to(self.device)
 
     def _decide(self, plan, slot_logits) -> Decision:
         """Process the candidates, bring each slot's token and flags to the host (the step's one sync) and apply
@@ -484,6 +515,68 @@ class MARSDecoder:
         for r, row in enumerate(new):
             block[r, :row.shape[0]] = row
         self.streamer.put(block)
+
+    # ---------------------------------------------------------------- rows that come and go (`engine.py`)
+    def joinable(self) -> bool:
+        """Whether these rows can share a batch with other generations' rows: nothing reads the token history (the
+        buffer is this call's), nothing holds rows together (stateful clients, block chunks, sliding-window or
+        static caches), no per-step records."""
+        return not (self.reads_history or self.clients.exact or self.clients.lagging is not None or self.shape.block
+                    or self.cache.sliding or self.cache.static or self.records is not None)
+
+    def can_merge(self, other: MARSDecoder) -> bool:
+        """The same decoding settings: options (tau aside, it is per row), sampling, processors, stops."""
+        def settings(dec):
+            opts = dataclasses.replace(dec.opts, threshold=0.0)
+            chain = [(type(p), {k: v.tolist() if torch.is_tensor(v) else v for k, v in vars(p).items()})
+                     for p in dec.clients.processors]
+            return (opts, dec.do_sample, chain, dec.clients.suppress, dec.clients.eos_ids, dec.pad, dec.device,
+                    dataclasses.replace(dec.shape, one_token=False))
+
+        return self.joinable() and other.joinable() and settings(self) == settings(other)
+
+    def merge(self, other: MARSDecoder) -> None:
+        """Take another generation's rows into this batch, between steps. Each side's cache columns are
+        left-padded to the longer one and masked: keys carry their rotary positions and a row's position ids
+        follow its own real-token count, so no row's attention changes."""
+        mine, theirs = self.cache, other.cache
+        width = max(mine.length, theirs.length)
+
+        def padded(t, length):  # (batch, heads, columns, dim) -> left-padded to `width` columns
+            return torch.nn.functional.pad(t, (0, 0, width - length, 0))
+
+        for a, b in zip(mine.cache.layers, theirs.cache.layers):
+            a.keys = torch.cat([padded(a.keys, mine.length), padded(b.keys, theirs.length)])
+            a.values = torch.cat([padded(a.values, mine.length), padded(b.values, theirs.length)])
+        masks = [c.attn if c.attn is not None else torch.ones(c.batch, c.length, dtype=torch.long, device=self.device)
+                 for c in (mine, theirs)]
+        mine.attn = torch.cat([torch.nn.functional.pad(m, (width - m.shape[1], 0)) for m in masks])
+        mine.length, mine.batch = width, mine.batch + theirs.batch
+        if self.q_drafts is not None or other.q_drafts is not None:
+            self.q_drafts = torch.cat([d.q_drafts if d.q_drafts is not None else torch.zeros(
+                d.batch, self.shape.max_drafts, slot_vocab(self, other), device=self.device) for d in (self, other)])
+        taus = (self.row_tau or [self.opts.threshold] * self.batch) + (other.row_tau or [other.opts.threshold])
+        self.rows.extend(other.rows)
+        self.prompt_real_host += other.prompt_real_host
+        self.batch += other.batch
+        if other.last_position is not None:
+            self.last_position = min(x for x in (self.last_position, other.last_position) if x is not None)
+        self.set_row_taus(taus)
+
+    def keep_rows(self, keep: list) -> None:
+        """Only the rows ``keep`` go on (finished or cancelled ones leave the batch); the cache keeps their rows."""
+        index = to_device(keep, self.device)
+        for layer in self.cache.cache.layers:
+            layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+        if self.cache.attn is not None:
+            self.cache.attn = self.cache.attn.index_select(0, index)
+        if self.q_drafts is not None:
+            self.q_drafts = self.q_drafts.index_select(0, index)
+        self.rows.select(keep)
+        self.prompt_real_host = [self.prompt_real_host[i] for i in keep]
+        self.batch = self.cache.batch = len(keep)
+        if self.row_tau is not None:
+            self.set_row_taus([self.row_tau[i] for i in keep])
 
     # ---------------------------------------------------------------- results
     def run(self, synced: bool = False):

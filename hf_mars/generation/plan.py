@@ -57,28 +57,33 @@ class StepPlan:
 def plan_step(dec) -> StepPlan:
     """Per-row counts for this step (python lists; cheap for any realistic batch)."""
     b, opts, rows, shape = dec.batch, dec.opts, dec.rows, dec.shape
-    max_accept = opts.max_accept or dec.max_new
+    # a row at tau >= 1 reads candidate 0 only; masks are fed unless every row is such a row (the masks must
+    # occupy the same last columns in every row, so that one crop drops them all)
+    one_token = [shape.one_token or (dec.row_tau is not None and dec.row_tau[r] >= 1.0) for r in range(b)]
+    no_masks = all(one_token[r] for r in range(b) if rows.unfinished[r]) and not shape.block and not opts.verify
     plan = StepPlan(first=rows.fed[0] == -dec.prompt_len, active=[False] * b, uncached=[0] * b, drafts=[0] * b,
                     masks=[0] * b, slots=[0] * b)
     for r in range(b):
         if not rows.unfinished[r] or (shape.block and not rows.chunk_start and rows.in_chunk[r] >= shape.chunk):
             continue  # finished, or waiting for the slowest row to fill the block cache's chunk
         plan.active[r] = True
-        remaining = dec.max_new - rows.emitted[r]
+        remaining = rows.limit[r] - rows.emitted[r]
+        max_accept = opts.max_accept or rows.limit[r]
         plan.uncached[r] = rows.emitted[r] - rows.fed[r]
         if opts.cache == "block":
             plan.masks[r] = shape.chunk - rows.in_chunk[r]
         else:
             # candidates read masks 1..K-1 only, and under causal attention a later mask changes nothing before
             # it: feed K-1 masks (B-1 by default; none in one-token mode, an exact AR step)
-            plan.masks[r] = 0 if (shape.one_token and not shape.block and not opts.verify) else shape.candidates - 1
+            plan.masks[r] = 0 if no_masks else shape.candidates - 1
         if opts.verify:
             plan.drafts[r] = len(rows.drafts[r])
             # new drafts + the AR token must fit the length limit and the per-step cap
-            new_drafts = min(shape.max_drafts, max(0, remaining - plan.drafts[r] - 2), max_accept - 1)
+            new_drafts = 0 if one_token[r] else min(shape.max_drafts, max(0, remaining - plan.drafts[r] - 2),
+                                                 max_accept - 1)
             plan.slots[r] = plan.drafts[r] + 1 + new_drafts
         else:
-            slots = 1 if shape.one_token else 1 + min(shape.candidates - 1, plan.masks[r])
+            slots = 1 if one_token[r] else 1 + min(shape.candidates - 1, plan.masks[r])
             if shape.block:
                 slots = min(slots, shape.chunk - rows.in_chunk[r])
             plan.slots[r] = min(slots, remaining, max_accept)

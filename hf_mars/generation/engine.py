@@ -1,0 +1,133 @@
+"""Rows that come and go: a running MARS batch that requests join between steps and leave when done.
+
+`generate(mars=True)` is `MARSDecoder` with every row added at the start. A server wants more: a request that
+arrives while others decode joins the running batch at the next step instead of waiting for the whole batch.
+`MARSEngine.add` runs the newcomer's first step alone (``model.generate`` prepares its processors, criteria and
+cache as for any call; the prefill emits its first tokens) and merges it into the batch (`MARSDecoder.merge`:
+its cache rows left-padded to the batch's columns, masked). `MARSEngine.step` advances every row one step,
+each at its own tau, and hands back each row's new tokens; finished and cancelled rows leave the batch
+(`MARSDecoder.keep_rows`). A row whose settings cannot share a batch (processors or criteria that read the
+history, a block-level, sliding-window or static cache) still steps, round-robin beside the batch, on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .api import _with_option_parameters, start_decoder
+
+
+def _first_step(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
+                synced_gpus=None, streamer=None, mars=True, mars_config=None, mars_streamer=None, mars_row_tau=None,
+                **model_kwargs):
+    """A custom_generate that returns the decoder after its first step (the prefill), for `MARSEngine.add`."""
+    decoder = start_decoder(model, input_ids, logits_processor, stopping_criteria, generation_config, None,
+                            mars_config, model_kwargs)
+    if mars_row_tau is not None:
+        decoder.set_row_taus([mars_row_tau])
+    with torch.no_grad():
+        decoder.step()
+    return decoder
+
+
+_with_option_parameters(_first_step)
+
+
+@dataclasses.dataclass
+class Row:
+    """One request in the engine: the caller's handle, its tau (None: the engine's), tokens handed out so far."""
+
+    handle: object
+    tau: float | None
+    sent: int = 0
+
+
+class MARSEngine:
+    """In-flight MARS decoding: one shared batch plus the rows that must decode alone."""
+
+    def __init__(self, model, threshold_placeholder: float = 0.5):
+        self.model = model
+        self.batch = None  # the shared MARSDecoder
+        self.batch_rows: list[Row] = []
+        self.solo: list[tuple] = []  # (decoder, Row): rows that cannot share the batch
+        # decoders are built with a tau below 1 (so that masks are fed at all); each row's own tau applies per step
+        self.placeholder = threshold_placeholder
+
+    def __len__(self) -> int:
+        return len(self.batch_rows) + len(self.solo)
+
+    def add(self, handle, input_ids, generation_config, tau: float, **mars_args) -> list:
+        """Prefill a newcomer (its first step) and put it into the batch, or beside it. Returns the events of
+        that step: [(handle, new tokens, finished)]."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.model.device).view(1, -1)
+        decoder = type(self.model).generate(
+            self.model, input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=generation_config,
+            custom_generate=_first_step, mars_threshold=mars_args.pop("mars_threshold", None) or self.placeholder,
+            mars_row_tau=tau, **mars_args)
+        row = Row(handle, tau)
+        events = self._events(decoder, [row])
+        if not decoder.rows.unfinished[0]:
+            return events
+        if decoder.joinable() and (self.batch is None or self.batch.can_merge(decoder)):
+            if self.batch is None:
+                self.batch, self.batch_rows = decoder, [row]
+            else:
+                self.batch.merge(decoder)
+                self.batch_rows.append(row)
+        else:
+            self.solo.append((decoder, row))
+        return events
+
+    def step(self, default_tau: float) -> list:
+        """One step of the batch and of each solo row, every row at its own tau (``default_tau``: the ladder's,
+        for rows without one). Returns [(handle, new tokens, finished)]; finished rows have left."""
+        events = []
+        if self.batch is not None:
+            self.batch.set_row_taus([default_tau if r.tau is None else r.tau for r in self.batch_rows])
+            with torch.no_grad():
+                self.batch.step()
+            events += self._events(self.batch, self.batch_rows)
+            self._drop_finished()
+        still = []
+        for decoder, row in self.solo:
+            decoder.set_row_taus([default_tau if row.tau is None else row.tau])
+            with torch.no_grad():
+                decoder.step()
+            events += self._events(decoder, [row])
+            if decoder.rows.unfinished[0]:
+                still.append((decoder, row))
+        self.solo = still
+        return events
+
+    def cancel(self, handles) -> None:
+        """Rows whose client went away leave at once."""
+        gone = {id(h) for h in handles}
+        if self.batch is not None:
+            keep = [i for i, r in enumerate(self.batch_rows) if id(r.handle) not in gone]
+            self._keep(keep)
+        self.solo = [(d, r) for d, r in self.solo if id(r.handle) not in gone]
+
+    def _events(self, decoder, rows):
+        events = []
+        for i, row in enumerate(rows):
+            tokens = decoder.rows.tokens[i]
+            finished = not decoder.rows.unfinished[i]
+            if len(tokens) > row.sent or finished:
+                events.append((row.handle, tokens[row.sent:], finished))
+                row.sent = len(tokens)
+        return events
+
+    def _drop_finished(self):
+        keep = [i for i in range(len(self.batch_rows)) if self.batch.rows.unfinished[i]]
+        if len(keep) < len(self.batch_rows):
+            self._keep(keep)
+
+    def _keep(self, keep):
+        if not keep:
+            self.batch, self.batch_rows = None, []
+            return
+        if len(keep) < len(self.batch_rows):
+            self.batch.keep_rows(keep)
+            self.batch_rows = [self.batch_rows[i] for i in keep]
