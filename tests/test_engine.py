@@ -51,7 +51,7 @@ def _drive(engine, tok, arrivals, default_tau, **mars_args):
 
 
 def _collect(events, got, done):
-    for handle, tokens, finished in events:
+    for handle, tokens, finished, _ in events:
         assert handle not in done, "no tokens after a row finished"
         got.setdefault(handle, []).extend(tokens)
         if finished:
@@ -84,7 +84,7 @@ def test_a_short_request_finishes_before_a_long_one_that_came_first(peaky):
     while len(engine):
         if step == 3:
             engine.add("short", tok([PROMPTS[1]], return_tensors="pt").input_ids[0].tolist(), _gc(tok, 5), 1.0)
-        for handle, _, finished in engine.step(1.0):
+        for handle, _, finished, _ in engine.step(1.0):
             if finished:
                 finished_at[handle] = step
         step += 1

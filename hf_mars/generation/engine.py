@@ -13,10 +13,11 @@ history, a block-level, sliding-window or static cache) still steps, round-robin
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
-from .api import _with_option_parameters, start_decoder
+from .api import _stop_strings_as_criterion, _with_option_parameters, start_decoder
 
 
 def _first_step(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
@@ -37,11 +38,20 @@ _with_option_parameters(_first_step)
 
 @dataclasses.dataclass
 class Row:
-    """One request in the engine: the caller's handle, its tau (None: the engine's), tokens handed out so far."""
+    """One request in the engine: the caller's handle, its own tau (None: the step's), tokens handed out so far."""
 
     handle: object
     tau: float | None
     sent: int = 0
+
+
+class Event(NamedTuple):
+    """A row's news after a step: the tokens it emitted, whether it finished, its forward passes so far."""
+
+    handle: object
+    tokens: list
+    finished: bool
+    forwards: int
 
 
 class MARSEngine:
@@ -58,14 +68,16 @@ class MARSEngine:
     def __len__(self) -> int:
         return len(self.batch_rows) + len(self.solo)
 
-    def add(self, handle, input_ids, generation_config, tau: float, **mars_args) -> list:
-        """Prefill a newcomer (its first step) and put it into the batch, or beside it. Returns the events of
-        that step: [(handle, new tokens, finished)]."""
+    def add(self, handle, input_ids, generation_config, tau: float | None, default_tau: float | None = None,
+            **mars_args) -> list:
+        """Prefill a newcomer (its first step) and put it into the batch, or beside it. ``tau``: the row's own
+        (None: each step's ``default_tau``). Returns the `Event` of that step."""
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.model.device).view(1, -1)
-        decoder = type(self.model).generate(
-            self.model, input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=generation_config,
-            custom_generate=_first_step, mars_threshold=mars_args.pop("mars_threshold", None) or self.placeholder,
-            mars_row_tau=tau, **mars_args)
+        kwargs = dict(mars_args, input_ids=ids, attention_mask=torch.ones_like(ids),
+                      generation_config=generation_config, mars_row_tau=tau if tau is not None else default_tau,
+                      mars_threshold=mars_args.get("mars_threshold") or self.placeholder)
+        _stop_strings_as_criterion(self.model, kwargs)
+        decoder = type(self.model).generate(self.model, custom_generate=_first_step, **kwargs)
         row = Row(handle, tau)
         events = self._events(decoder, [row])
         if not decoder.rows.unfinished[0]:
@@ -101,6 +113,10 @@ class MARSEngine:
         self.solo = still
         return events
 
+    def handles(self) -> list:
+        """The handles of every row decoding now."""
+        return [r.handle for r in self.batch_rows] + [r.handle for _, r in self.solo]
+
     def cancel(self, handles) -> None:
         """Rows whose client went away leave at once."""
         gone = {id(h) for h in handles}
@@ -115,7 +131,7 @@ class MARSEngine:
             tokens = decoder.rows.tokens[i]
             finished = not decoder.rows.unfinished[i]
             if len(tokens) > row.sent or finished:
-                events.append((row.handle, tokens[row.sent:], finished))
+                events.append(Event(row.handle, tokens[row.sent:], finished, decoder.rows.forwards[i]))
                 row.sent = len(tokens)
         return events
 
