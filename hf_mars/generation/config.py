@@ -7,6 +7,7 @@ ships inside checkpoints (``custom_generate/``): it imports only torch, transfor
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 from transformers.utils import logging as _hf_logging
@@ -119,6 +120,28 @@ class MARSGenerationConfig:
         config = cls(**values)
         config.warn_about(meta)
         return config
+
+    @classmethod
+    def add_arguments(cls, parser, names) -> None:
+        """Command-line flags ``--mars-<field>`` for the fields ``names`` (their help, type and choices come from
+        here, so a command never respells them); an unset flag is None, so `resolve`'s defaults apply."""
+        choices = {"acceptance": ACCEPTANCE_MODES, "cache": CACHE_MODES}
+        types = {"threshold": float, "block_size": int, "max_accept": int, "cache_block": int}
+        for f in dataclasses.fields(cls):
+            if f.name not in names:
+                continue
+            flag = "--mars-" + f.name.replace("_", "-")
+            text = f.metadata["help"]
+            if f.name in ("verify", "use_last_mask"):
+                parser.add_argument(flag, default=None, action=argparse.BooleanOptionalAction, help=text)
+            else:
+                parser.add_argument(flag, default=None, type=types.get(f.name, str), choices=choices.get(f.name),
+                                    help=text)
+
+    @classmethod
+    def from_arguments(cls, args, names) -> dict:
+        """The ``mars_*`` generate arguments a command's flags set (see `add_arguments`)."""
+        return {"mars_" + n: getattr(args, "mars_" + n) for n in names if getattr(args, "mars_" + n, None) is not None}
 
     def warn_about(self, meta: dict) -> None:
         """Warnings for options that decode poorly on this checkpoint (they stay allowed)."""
