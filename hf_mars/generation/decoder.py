@@ -91,11 +91,6 @@ class Rows:
                 value.extend(getattr(other, f.name))
 
 
-def slot_vocab(*decoders) -> int:
-    """The vocabulary of the drafts' distributions (verify sampling), from whichever decoder has them."""
-    return next(d.q_drafts.shape[-1] for d in decoders if d.q_drafts is not None)
-
-
 class MARSDecoder:
     """The rows of one MARS generation (threshold, block-cache or verify mode) and the step that advances them."""
 
@@ -515,68 +510,6 @@ class MARSDecoder:
         for r, row in enumerate(new):
             block[r, :row.shape[0]] = row
         self.streamer.put(block)
-
-    # ---------------------------------------------------------------- rows that come and go (`engine.py`)
-    def joinable(self) -> bool:
-        """Whether these rows can share a batch with other generations' rows: nothing reads the token history (the
-        buffer is this call's), nothing holds rows together (stateful clients, block chunks, sliding-window or
-        static caches), no per-step records."""
-        return not (self.reads_history or self.clients.exact or self.clients.lagging is not None or self.shape.block
-                    or self.cache.sliding or self.cache.static or self.records is not None)
-
-    def can_merge(self, other: MARSDecoder) -> bool:
-        """The same decoding settings: options (tau aside, it is per row), sampling, processors, stops."""
-        def settings(dec):
-            opts = dataclasses.replace(dec.opts, threshold=0.0)
-            chain = [(type(p), {k: v.tolist() if torch.is_tensor(v) else v for k, v in vars(p).items()})
-                     for p in dec.clients.processors]
-            return (opts, dec.do_sample, chain, dec.clients.suppress, dec.clients.eos_ids, dec.pad, dec.device,
-                    dataclasses.replace(dec.shape, one_token=False))
-
-        return self.joinable() and other.joinable() and settings(self) == settings(other)
-
-    def merge(self, other: MARSDecoder) -> None:
-        """Take another generation's rows into this batch, between steps. Each side's cache columns are
-        left-padded to the longer one and masked: keys carry their rotary positions and a row's position ids
-        follow its own real-token count, so no row's attention changes."""
-        mine, theirs = self.cache, other.cache
-        width = max(mine.length, theirs.length)
-
-        def padded(t, length):  # (batch, heads, columns, dim) -> left-padded to `width` columns
-            return torch.nn.functional.pad(t, (0, 0, width - length, 0))
-
-        for a, b in zip(mine.cache.layers, theirs.cache.layers):
-            a.keys = torch.cat([padded(a.keys, mine.length), padded(b.keys, theirs.length)])
-            a.values = torch.cat([padded(a.values, mine.length), padded(b.values, theirs.length)])
-        masks = [c.attn if c.attn is not None else torch.ones(c.batch, c.length, dtype=torch.long, device=self.device)
-                 for c in (mine, theirs)]
-        mine.attn = torch.cat([torch.nn.functional.pad(m, (width - m.shape[1], 0)) for m in masks])
-        mine.length, mine.batch = width, mine.batch + theirs.batch
-        if self.q_drafts is not None or other.q_drafts is not None:
-            self.q_drafts = torch.cat([d.q_drafts if d.q_drafts is not None else torch.zeros(
-                d.batch, self.shape.max_drafts, slot_vocab(self, other), device=self.device) for d in (self, other)])
-        taus = (self.row_tau or [self.opts.threshold] * self.batch) + (other.row_tau or [other.opts.threshold])
-        self.rows.extend(other.rows)
-        self.prompt_real_host += other.prompt_real_host
-        self.batch += other.batch
-        if other.last_position is not None:
-            self.last_position = min(x for x in (self.last_position, other.last_position) if x is not None)
-        self.set_row_taus(taus)
-
-    def keep_rows(self, keep: list) -> None:
-        """Only the rows ``keep`` go on (finished or cancelled ones leave the batch); the cache keeps their rows."""
-        index = to_device(keep, self.device)
-        for layer in self.cache.cache.layers:
-            layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
-        if self.cache.attn is not None:
-            self.cache.attn = self.cache.attn.index_select(0, index)
-        if self.q_drafts is not None:
-            self.q_drafts = self.q_drafts.index_select(0, index)
-        self.rows.select(keep)
-        self.prompt_real_host = [self.prompt_real_host[i] for i in keep]
-        self.batch = self.cache.batch = len(keep)
-        if self.row_tau is not None:
-            self.set_row_taus([self.row_tau[i] for i in keep])
 
     # ---------------------------------------------------------------- results
     def run(self, synced: bool = False):

@@ -6,7 +6,7 @@ arrives while others decode joins the running batch at the next step instead of 
 cache as for any call; the prefill emits its first tokens) and merges it into the batch (`MARSDecoder.merge`:
 its cache rows left-padded to the batch's columns, masked). `MARSEngine.step` advances every row one step,
 each at its own tau, and hands back each row's new tokens; finished and cancelled rows leave the batch
-(`MARSDecoder.keep_rows`). A row whose settings cannot share a batch (processors or criteria that read the
+(`keep_rows`). A row whose settings cannot share a batch (processors or criteria that read the
 history, a block-level, sliding-window or static cache) still steps, round-robin beside the batch, on its own.
 """
 
@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from .api import _stop_strings_as_criterion, _with_option_parameters, start_decoder
+from .plan import to_device
 
 
 def _first_step(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
@@ -34,6 +35,72 @@ def _first_step(model, input_ids, logits_processor=None, stopping_criteria=None,
 
 
 _with_option_parameters(_first_step)
+
+
+def joinable(dec) -> bool:
+    """Whether a generation's rows can share a batch with other generations' rows: nothing reads the token history
+    (the buffer is per call), nothing holds rows together (stateful clients, block chunks, sliding-window or
+    static caches), no per-step records."""
+    return not (dec.reads_history or dec.clients.exact or dec.clients.lagging is not None or dec.shape.block
+                or dec.cache.sliding or dec.cache.static or dec.records is not None)
+
+
+def _settings(dec):
+    """What rows sharing a batch must share: options (tau aside, it is per row), sampling, processors, stops."""
+    chain = [(type(p), {k: v.tolist() if torch.is_tensor(v) else v for k, v in vars(p).items()})
+             for p in dec.clients.processors]
+    return (dataclasses.replace(dec.opts, threshold=0.0), dec.do_sample, chain, dec.clients.suppress,
+            dec.clients.eos_ids, dec.pad, dec.device, dataclasses.replace(dec.shape, one_token=False))
+
+
+def can_merge(dec, other) -> bool:
+    return joinable(dec) and joinable(other) and _settings(dec) == _settings(other)
+
+
+def merge(dec, other) -> None:
+    """Take another generation's rows into ``dec``'s batch, between steps. Each side's cache columns are left-padded
+    to the longer one and masked: keys carry their rotary positions and a row's position ids follow its own
+    real-token count, so no row's attention changes."""
+    mine, theirs = dec.cache, other.cache
+    width = max(mine.length, theirs.length)
+
+    def padded(t, length):  # (rows, heads, columns, dim), left-padded to `width` columns
+        return torch.nn.functional.pad(t, (0, 0, width - length, 0))
+
+    for a, b in zip(mine.cache.layers, theirs.cache.layers):
+        a.keys = torch.cat([padded(a.keys, mine.length), padded(b.keys, theirs.length)])
+        a.values = torch.cat([padded(a.values, mine.length), padded(b.values, theirs.length)])
+    masks = [c.attn if c.attn is not None else torch.ones(c.batch, c.length, dtype=torch.long, device=dec.device)
+             for c in (mine, theirs)]
+    mine.attn = torch.cat([torch.nn.functional.pad(m, (width - m.shape[1], 0)) for m in masks])
+    mine.length, mine.batch = width, mine.batch + theirs.batch
+    if dec.q_drafts is not None or other.q_drafts is not None:  # verify sampling: the drafts' distributions
+        vocab = next(d.q_drafts.shape[-1] for d in (dec, other) if d.q_drafts is not None)
+        dec.q_drafts = torch.cat([d.q_drafts if d.q_drafts is not None else torch.zeros(
+            d.batch, dec.shape.max_drafts, vocab, device=dec.device) for d in (dec, other)])
+    taus = (dec.row_tau or [dec.opts.threshold] * dec.batch) + (other.row_tau or [other.opts.threshold])
+    dec.rows.extend(other.rows)
+    dec.prompt_real_host += other.prompt_real_host
+    dec.batch += other.batch
+    if other.last_position is not None:
+        dec.last_position = min(x for x in (dec.last_position, other.last_position) if x is not None)
+    dec.set_row_taus(taus)
+
+
+def keep_rows(dec, keep: list) -> None:
+    """Only the rows ``keep`` go on (finished or cancelled ones leave the batch), their cache rows with them."""
+    index = to_device(keep, dec.device)
+    for layer in dec.cache.cache.layers:
+        layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+    if dec.cache.attn is not None:
+        dec.cache.attn = dec.cache.attn.index_select(0, index)
+    if dec.q_drafts is not None:
+        dec.q_drafts = dec.q_drafts.index_select(0, index)
+    dec.rows.select(keep)
+    dec.prompt_real_host = [dec.prompt_real_host[i] for i in keep]
+    dec.batch = dec.cache.batch = len(keep)
+    if dec.row_tau is not None:
+        dec.set_row_taus([dec.row_tau[i] for i in keep])
 
 
 @dataclasses.dataclass
@@ -82,11 +149,11 @@ class MARSEngine:
         events = self._events(decoder, [row])
         if not decoder.rows.unfinished[0]:
             return events
-        if decoder.joinable() and (self.batch is None or self.batch.can_merge(decoder)):
+        if joinable(decoder) and (self.batch is None or can_merge(self.batch, decoder)):
             if self.batch is None:
                 self.batch, self.batch_rows = decoder, [row]
             else:
-                self.batch.merge(decoder)
+                merge(self.batch, decoder)
                 self.batch_rows.append(row)
         else:
             self.solo.append((decoder, row))
@@ -145,5 +212,5 @@ class MARSEngine:
             self.batch, self.batch_rows = None, []
             return
         if len(keep) < len(self.batch_rows):
-            self.batch.keep_rows(keep)
+            keep_rows(self.batch, keep)
             self.batch_rows = [self.batch_rows[i] for i in keep]
