@@ -3,7 +3,7 @@
 `generate(mars=True)` is `MARSDecoder` with every row added at the start. A server wants more: a request that
 arrives while others decode joins the running batch at the next step instead of waiting for the whole batch.
 `MARSEngine.add` runs the newcomer's first step alone (``model.generate`` prepares its processors, criteria and
-cache as for any call; the prefill emits its first tokens) and merges it into the batch (`MARSDecoder.merge`:
+cache as for any call; the prefill emits its first tokens) and merges it into the batch (`merge`:
 its cache rows left-padded to the batch's columns, masked). `MARSEngine.step` advances every row one step,
 each at its own tau, and hands back each row's new tokens; finished and cancelled rows leave the batch
 (`keep_rows`). A row whose settings cannot share a batch (processors or criteria that read the
