@@ -18,6 +18,7 @@ _EXPORTS = {
     "mars_generate": "hf_mars.generation",
     "enable_mars": "hf_mars.generation",
     "MARSGenerateOutput": "hf_mars.generation",
+    "MARSGenerationConfig": "hf_mars.generation",
     "save_for_hub": "hf_mars.hub",
     "push_to_hub": "hf_mars.hub",
     "write_mars_extras": "hf_mars.hub",

@@ -6,9 +6,10 @@ folder carries:
 
 - ``config.json`` with the MARS metadata under ``"mars"`` (written by save_pretrained);
 - ``generation_config.json`` with the MARS defaults ``mars_threshold`` / ``mars_block_size``;
-- ``custom_generate/generate.py``: hf_mars/generation.py copied byte for byte (it imports
-  only torch and transformers), plus ``custom_generate/requirements.txt``. Loading with
-  ``trust_remote_code=True`` makes transformers replace ``model.generate`` with it;
+- ``custom_generate/``: the modules of hf_mars/generation/ copied byte for byte (they import
+  only torch, transformers and each other; ``generate.py`` is the entry), plus
+  ``custom_generate/requirements.txt``. Loading with ``trust_remote_code=True`` makes
+  transformers replace ``model.generate`` with its ``generate``;
 - ``README.md``: the model card (`hf_mars.model_card`, from ``hf_mars/assets/model_cards/mars_model_card.md``).
 
 Without ``trust_remote_code`` the folder is the plain base-architecture AR model. This module owns that contract
@@ -137,9 +138,10 @@ def check_checkpoint(directory, for_push: bool = False, force: bool = False) -> 
                 f"`python -c \"from hf_mars.hub import write_mars_extras; write_mars_extras('{directory}')\"` "
                 "or save the model with `hf_mars.save_for_hub(model, tokenizer, directory)`."
             )
-        generate_py = directory / CUSTOM_GENERATE_DIR / "generate.py"
+        shipped = sorted((directory / CUSTOM_GENERATE_DIR).glob("*.py"))
         try:
-            _check_standalone(generate_py.read_text(encoding="utf-8"), generate_py)
+            for module in shipped:
+                _check_standalone(module.read_text(encoding="utf-8"), module, {p.stem for p in shipped})
         except RuntimeError as e:
             raise ValueError(f"{e} Rewrite it with `hf_mars.hub.write_mars_extras('{directory}')`.") from None
     return mars
@@ -163,26 +165,40 @@ def validate_repo_id(repo_id) -> str:
 # --------------------------------------------------------------------------- custom_generate
 
 
-def generation_module_path() -> Path:
-    """Path of hf_mars/generation.py (found through the import system, not imported)."""
+def generation_package_files() -> list[Path]:
+    """The modules of hf_mars/generation/ a checkpoint ships (found through the import system, not imported):
+    ``generate.py``, the entry transformers loads, and the siblings it imports, directly or not (transformers
+    copies a module's relative imports next to it; the package's ``__init__`` is not needed)."""
     import importlib.util
 
     spec = importlib.util.find_spec(GENERATION_MODULE)
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+    if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"Cannot find the source of {GENERATION_MODULE} (needed for custom_generate/generate.py); "
+            f"Cannot find the source of {GENERATION_MODULE} (needed for custom_generate/); "
             "reinstall hf-mars from source (`pip install -e .`)."
         )
-    return Path(spec.origin)
+    folder = Path(list(spec.submodule_search_locations)[0])
+    needed, todo = set(), ["generate"]
+    while todo:
+        name = todo.pop()
+        if name in needed or not (folder / f"{name}.py").is_file():
+            continue
+        needed.add(name)
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                todo.append(node.module)
+    return sorted(folder / f"{name}.py" for name in needed)
 
 
-def _check_standalone(source: str, origin) -> None:
-    """The copied module must import only torch, transformers and the stdlib (the custom_generate contract)."""
+def _check_standalone(source: str, origin, siblings: set) -> None:
+    """A shipped module may import only torch, transformers, the stdlib and its siblings, the latter as
+    ``from .module import ...`` (the form transformers follows when it copies a custom_generate file's imports)."""
     allowed = {"torch", "transformers", "__future__"} | set(sys.stdlib_module_names)
     bad = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.level:
-            bad.append("relative import from " + "." * node.level + (node.module or ""))
+            if node.level != 1 or node.module not in siblings:
+                bad.append("relative import from " + "." * node.level + (node.module or ""))
         elif isinstance(node, ast.ImportFrom):
             if node.module.split(".")[0] not in allowed:
                 bad.append(node.module)
@@ -190,11 +206,10 @@ def _check_standalone(source: str, origin) -> None:
             bad += [a.name for a in node.names if a.name.split(".")[0] not in allowed]
     if bad:
         raise RuntimeError(
-            f"{origin} imports {sorted(set(bad))}; custom_generate/generate.py may import only torch, "
-            "transformers and the standard library, because it runs where hf-mars is not installed."
+            f"{origin} imports {sorted(set(bad))}; custom_generate/ may import only torch, transformers, the "
+            "standard library and its own modules (`from .module import name`), because it runs where hf-mars is "
+            "not installed."
         )
-    if "def generate(" not in source:
-        raise RuntimeError(f"{origin} defines no module-level `generate(*args, model, **kwargs)` entry point.")
 
 
 def _requirement_floors() -> list[str]:
@@ -217,13 +232,18 @@ def _requirement_floors() -> list[str]:
 
 
 def write_custom_generate(save_directory) -> Path:
-    """Copy hf_mars/generation.py to ``custom_generate/generate.py`` (byte for byte) with its requirements."""
-    src = generation_module_path()
-    data = src.read_bytes()
-    _check_standalone(data.decode("utf-8"), src)
+    """Copy the modules of hf_mars/generation/ into ``custom_generate/`` (byte for byte) with the requirements;
+    returns the path of its ``generate.py``."""
+    files = generation_package_files()
+    siblings = {p.stem for p in files}
+    if "generate" not in siblings:
+        raise RuntimeError(f"{GENERATION_MODULE} has no generate.py entry point for custom_generate/.")
     out = Path(save_directory) / CUSTOM_GENERATE_DIR
     out.mkdir(parents=True, exist_ok=True)
-    (out / "generate.py").write_bytes(data)
+    for src in files:
+        data = src.read_bytes()
+        _check_standalone(data.decode("utf-8"), src, siblings)
+        (out / src.name).write_bytes(data)
     (out / "requirements.txt").write_text("\n".join(_requirement_floors()) + "\n", encoding="utf-8")
     return out / "generate.py"
 

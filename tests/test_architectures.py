@@ -8,10 +8,10 @@ import random
 
 import pytest
 import torch
+from architectures import ARCHITECTURES, SDPA_UNSUPPORTED, WINDOW, build
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
-from architectures import ARCHITECTURES, SDPA_UNSUPPORTED, WINDOW, build
 from hf_mars import MARSConfig, MARSTrainer, enable_mars, save_for_hub
 from hf_mars.demo.tiny import build_char_tokenizer
 from hf_mars.masking import build_model_mars_mask, build_noisy_input_ids

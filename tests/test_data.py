@@ -7,7 +7,14 @@ import re
 import pytest
 
 from hf_mars.demo import data
-from hf_mars.demo.data import TASKS, WORLD, generate_examples, make_example, score, split_of
+from hf_mars.demo.data import (
+    TASKS,
+    WORLD,
+    generate_examples,
+    make_example,
+    score,
+    split_of,
+)
 
 
 def _prompt(ex):

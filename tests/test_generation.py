@@ -7,11 +7,16 @@ re-implementation of the method (docs/method.md) (which exercises ragged per-row
 
 import inspect
 import math
-import shutil
+import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LogitsProcessorList, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    LogitsProcessorList,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 from transformers.generation import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,
@@ -23,6 +28,9 @@ from transformers.generation.streamers import BaseStreamer
 
 import hf_mars.generation as gen
 from hf_mars.generation import enable_mars, mars_generate
+from hf_mars.generation.cache import RollbackCache
+from hf_mars.generation.decoder import MARSDecoder
+from hf_mars.hub import write_custom_generate
 
 # the cache argument's name: `cache` from transformers 5.24 (`past_key_values` is its deprecated alias there)
 CACHE_ARG = "cache" if "cache" in inspect.signature(Qwen2ForCausalLM.forward).parameters else "past_key_values"
@@ -529,8 +537,7 @@ def test_defaults_from_generation_config(peaky):
 def test_loaded_as_custom_generate(peaky, tmp_path, route):
     model, tok = peaky
     model.save_pretrained(tmp_path)
-    (tmp_path / "custom_generate").mkdir()
-    shutil.copy(gen.__file__, tmp_path / "custom_generate" / "generate.py")
+    write_custom_generate(tmp_path)  # the package's modules, as a checkpoint ships them
     enc = _batch(tok)
     ref = _greedy(model, enc)
     mask_id = model.config.mars["mask_token_id"]
@@ -780,15 +787,14 @@ def test_batched_cache_is_compacted_and_output_unchanged(peaky, monkeypatch):
     model, tok = peaky
     prompts = [p + s for p in PROMPTS for s in ("", " one", " two three")] + ["z"] * 4  # 16 rows
     waste_seen = []
-    real = gen._MARSDecoder._compact_cache
+    real = RollbackCache.compact
 
-    def spy(self, threshold=gen.COMPACT_THRESHOLD):
-        real(self, threshold)
-        longest = max(p + f for p, f in zip(self.prompt_real_host, self.fed))
-        waste_seen.append((self.cache_len - longest) / self.cache_len)
-        return None
+    def spy(self, longest, threshold=gen.COMPACT_THRESHOLD):
+        done = real(self, longest, threshold)
+        waste_seen.append((self.length - longest) / self.length)
+        return done
 
-    monkeypatch.setattr(gen._MARSDecoder, "_compact_cache", spy)
+    monkeypatch.setattr(RollbackCache, "compact", spy)
     enc = tok(prompts, return_tensors="pt", padding=True)
     P = enc.input_ids.shape[1]
     kw = dict(mars_threshold=0.3, eos_token_id=[], return_dict_in_generate=True)
@@ -811,6 +817,7 @@ def test_one_host_sync_per_step(peaky, monkeypatch, prompts, kw):
     import sys
 
     model, tok = peaky
+    package = os.path.dirname(gen.__file__)
     counts = {"step": 0, "setup": 0}
     steps = []
     for name in ("item", "tolist", "cpu", "__bool__", "__int__", "__float__"):
@@ -818,12 +825,12 @@ def test_one_host_sync_per_step(peaky, monkeypatch, prompts, kw):
 
         def counted(self, *a, _original=original, **k):
             frame = sys._getframe(1)
-            if frame.f_code.co_filename == gen.__file__:
+            if frame.f_code.co_filename.startswith(package):
                 counts["step" if steps and steps[-1] else "setup"] += 1
             return _original(self, *a, **k)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
-    real_step = gen._MARSDecoder.step
+    real_step = MARSDecoder.step
 
     def step(self):  # any sync the module makes while a step runs counts against it
         steps.append(True)
@@ -832,7 +839,7 @@ def test_one_host_sync_per_step(peaky, monkeypatch, prompts, kw):
         finally:
             steps[-1] = False
 
-    monkeypatch.setattr(gen._MARSDecoder, "step", step)
+    monkeypatch.setattr(MARSDecoder, "step", step)
     enc = tok(prompts, return_tensors="pt", padding=True)
     _greedy(model, enc, max_new_tokens=32, eos_token_id=[], **kw)
     assert counts["step"] == len(steps) and len(steps) > 5
@@ -852,11 +859,13 @@ def test_one_host_sync_per_step(peaky, monkeypatch, prompts, kw):
 ], ids=["threshold", "last-mask-capped", "verify", "verify-B6", "block", "static", "static-verify", "margin-scores",
         "sampling"])
 @pytest.mark.parametrize("which", ["peaky", "aligned"])
-def test_host_acceptance_equals_device_acceptance(peaky, monkeypatch, kw, which):
-    """Steps whose acceptance can be decided on the host (no history-reading processor, no criteria beyond EOS and
-    length) are decided there; the device path decides the rest. Both must make the same decisions: same tokens,
-    forwards, scores, on a ragged left-padded batch with EOS (a token of the first prompt's greedy output) inside
-    it. Two models: drafts mostly rejected (peaky) and mostly right, truncated by tau per row (aligned)."""
+def test_one_call_and_slot_by_slot_processing_decide_alike(peaky, monkeypatch, kw, which):
+    """A chain that ignores the history is applied to all candidate slots in one call, with no history kept on
+    the device; a history-reading one slot by slot on the history AR would show, kept in `seq`. The acceptance
+    rules after either are the same functions: forcing the slot-by-slot path (and the device history) must give
+    the same tokens, forwards and scores, on a ragged left-padded batch with EOS (a token of the first prompt's
+    greedy output) inside it. Two models: drafts mostly rejected (peaky) and mostly right, truncated by tau per
+    row (aligned). (Sampling keeps the one call: slot by slot draws the same distribution in another order.)"""
     if kw.get("cache_implementation") == "static" and not gen.STATIC_CACHE_SUPPORTED:
         pytest.skip("static cache layers roll back from transformers 5.24 on")
     model, tok = peaky
@@ -872,19 +881,22 @@ def test_host_acceptance_equals_device_acceptance(peaky, monkeypatch, kw, which)
     args = dict(kw, mars=True, eos_token_id=eos, pad_token_id=0, max_new_tokens=40, return_dict_in_generate=True)
     args.setdefault("do_sample", False)
     seen = []
-    real_init = gen._MARSDecoder.__init__
+    real_init = MARSDecoder.__init__
+    import hf_mars.generation.decoder as decoder_module
 
     def init(self, *a, **k):
         real_init(self, *a, **k)
-        seen.append(self.host_accept)
-        self.host_accept = self.host_accept and not on_device
+        seen.append(self.reads_history)
+        self.reads_history = self.reads_history or on_device
+        if on_device and not kw.get("do_sample"):
+            monkeypatch.setattr(decoder_module, "history_free", lambda chain: False)
 
-    monkeypatch.setattr(gen._MARSDecoder, "__init__", init)
+    monkeypatch.setattr(MARSDecoder, "__init__", init)
     outs = []
     for on_device in (False, True):
         torch.manual_seed(0)
         outs.append(model.generate(**enc, **args))
-    assert seen == [True, True]  # (the second run was forced onto the device path)
+    assert seen == [False, False]  # (the second run was forced onto the slot-by-slot path)
     host, device = outs
     assert host.sequences.tolist() == device.sequences.tolist()
     assert host.mars_forward_passes.tolist() == device.mars_forward_passes.tolist()

@@ -47,7 +47,7 @@ def test_empty_prompt_is_a_clear_error(model_tok):
 def test_block_size_above_trained_warns(model_tok, caplog):
     from transformers.utils import logging as hf_logging
 
-    import hf_mars.generation as gen
+    import hf_mars.generation.config as gen
 
     model, tok = model_tok
     enc = tok(["hello"], return_tensors="pt")
@@ -64,7 +64,7 @@ def test_block_size_above_trained_warns(model_tok, caplog):
 def test_untrained_mask_token_warns_and_is_refused_for_the_hub(tmp_path, caplog):
     from transformers.utils import logging as hf_logging
 
-    import hf_mars.generation as gen
+    import hf_mars.generation.config as gen
     from hf_mars import hub
 
     tok = build_char_tokenizer()

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_mars import add_mask_token, save_for_hub
-from hf_mars import hub
+from hf_mars import add_mask_token, hub, save_for_hub
 from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
 from hf_mars.tokens import set_mars_metadata
 
@@ -115,19 +114,26 @@ def test_checkpoint_files(saved):
     reloaded = AutoTokenizer.from_pretrained(folder)
     assert reloaded.mask_token == "<|mask|>" and reloaded.mask_token_id == mars["mask_token_id"]
 
-    # custom_generate/generate.py is the library's generation module, byte for byte
-    assert (folder / "custom_generate/generate.py").read_bytes() == hub.generation_module_path().read_bytes()
+    # custom_generate/ holds the library's generation modules, byte for byte
+    for module in hub.generation_package_files():
+        assert (folder / "custom_generate" / module.name).read_bytes() == module.read_bytes()
     reqs = (folder / "custom_generate/requirements.txt").read_text().split()
     assert sorted(r.split(">=")[0] for r in reqs) == ["torch", "transformers"] and all(">=" in r for r in reqs)
 
 
 def test_generation_module_is_standalone():
-    """The copied file must import only torch, transformers and the stdlib (it runs without hf_mars)."""
-    hub._check_standalone(hub.generation_module_path().read_text(), "generation.py")
+    """The copied modules import only torch, transformers, the stdlib and each other (they run without hf_mars)."""
+    files = hub.generation_package_files()
+    siblings = {p.stem for p in files}
+    assert {"generate", "api", "config", "decoder", "rules"} <= siblings
+    for module in files:
+        hub._check_standalone(module.read_text(), module, siblings)
     with pytest.raises(RuntimeError, match="may import only torch"):
-        hub._check_standalone("import numpy\ndef generate(*a, model, **k): pass\n", "x.py")
-    with pytest.raises(RuntimeError, match="relative import"):
-        hub._check_standalone("from .tokens import x\ndef generate(*a, model, **k): pass\n", "x.py")
+        hub._check_standalone("import numpy\ndef generate(*a, model, **k): pass\n", "x.py", siblings)
+    with pytest.raises(RuntimeError, match="relative import"):  # hf_mars' own modules are not shipped
+        hub._check_standalone("from .tokens import x\ndef generate(*a, model, **k): pass\n", "x.py", siblings)
+    with pytest.raises(RuntimeError, match="relative import"):  # transformers follows `from .x import` only
+        hub._check_standalone("from ..generation import api\n", "x.py", siblings)
 
 
 def test_model_card_parses(saved):
@@ -289,9 +295,10 @@ def _with_training_junk(folder: Path, tmp_path: Path) -> Path:
     return ckpt
 
 
-EXPECTED_FILES = ["README.md", "chat_template.jinja", "config.json", "custom_generate/generate.py",
-                  "custom_generate/requirements.txt", "generation_config.json", "model.safetensors",
-                  "tokenizer.json", "tokenizer_config.json"]
+EXPECTED_FILES = sorted(["README.md", "chat_template.jinja", "config.json", "custom_generate/requirements.txt",
+                         "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+                        + [f"custom_generate/{name}.py" for name in ("api", "cache", "clients", "config", "decoder",
+                                                                       "exact", "generate", "plan", "rules")])
 
 
 def test_dry_run_lists_exactly_what_upload_folder_commits(saved, tmp_path, monkeypatch, no_network):

@@ -260,21 +260,20 @@ def test_streams_end_with_done_and_carry_our_id_and_name(client, tiny):
 
 def test_a_stream_that_fails_answers_its_status_or_an_error_event(client, monkeypatch):
     assert _post(client, "/v1/chat/completions", _chat()).status_code == 200  # the model is loaded
-    model = client.app.state.mars_manager.model
+    from hf_mars.generation.engine import MARSEngine
 
-    def fails_at_once(**kwargs):
+    def fails_at_once(self, *args, **kwargs):  # the request's own first step (its prefill) fails
         raise ValueError('cannot decode "this"')
 
-    monkeypatch.setattr(model, "generate", fails_at_once, raising=False)
+    monkeypatch.setattr(MARSEngine, "add", fails_at_once)
     error = _refused(_post(client, "/v1/chat/completions", _chat(stream=True)), 400)
     assert error["message"] == 'cannot decode "this"'
+    monkeypatch.undo()
 
-    def fails_after_tokens(**kwargs):
-        kwargs["streamer"].put(kwargs["input_ids"])
-        kwargs["streamer"].put(torch.tensor([[70, 71]]))
+    def fails_after_tokens(self, *args, **kwargs):  # tokens streamed (the prefill's), then a step fails
         raise RuntimeError('broke "mid-way"')
 
-    monkeypatch.setattr(model, "generate", fails_after_tokens, raising=False)
+    monkeypatch.setattr(MARSEngine, "step", fails_after_tokens)
     r = _post(client, "/v1/chat/completions", _chat(stream=True))
     assert r.status_code == 200
     events = _sse(r)

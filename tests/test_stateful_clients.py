@@ -10,7 +10,12 @@ import copy
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from hf_mars.generation import enable_mars
 
@@ -180,7 +185,7 @@ def test_uncopyable_processor_falls_back_to_one_token(peaky, caplog):
     plain, p_proc, _ = _run(model, enc, proc_cls=UncopyableRecorder)
     from transformers.utils import logging as hf_logging
 
-    import hf_mars.generation as gen
+    import hf_mars.generation.config as gen
 
     gen._logger.warning_once.cache_clear()  # the warning is given once per process
     hf_logging.enable_propagation()

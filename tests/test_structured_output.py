@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import LogitsProcessorList
 
-from hf_mars.generation import enable_mars
 from hf_mars.demo.tiny import build_char_tokenizer
+from hf_mars.generation import enable_mars
 
 xgr = pytest.importorskip("xgrammar")
 outlines = pytest.importorskip("outlines")
@@ -84,7 +84,10 @@ def _factories(model, tok):
     compiler = xgr.GrammarCompiler(info)
     xgr_json = compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
     xgr_ebnf = compiler.compile_grammar(EBNF)
-    from outlines.backends import get_json_schema_logits_processor, get_regex_logits_processor
+    from outlines.backends import (
+        get_json_schema_logits_processor,
+        get_regex_logits_processor,
+    )
 
     om = outlines.from_transformers(model, tok)
     ol_json = lambda: get_json_schema_logits_processor("outlines_core", om, json.dumps(SCHEMA))  # noqa: E731
@@ -192,7 +195,9 @@ def test_transformers_cfg_lossless_and_valid(cfg_model_and_tok, prompt):
     never does that): tau < 1 must raise nothing and stay inside the grammar; tau = 1 and verify equal plain
     decoding. Batch 1 only: in a batch, plain generate itself hands a finished row's EOS to the matcher, and
     transformers-cfg 0.2.7 then raises whenever the parser's first stack is not the empty one."""
-    from transformers_cfg.generation.logits_process import GrammarConstrainedLogitsProcessor
+    from transformers_cfg.generation.logits_process import (
+        GrammarConstrainedLogitsProcessor,
+    )
     from transformers_cfg.grammar_utils import IncrementalGrammarConstraint
 
     model, tok = cfg_model_and_tok

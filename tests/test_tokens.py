@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from hf_mars import add_mask_token, get_mars_metadata
-from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
+from hf_mars.demo.tiny import tiny_qwen2
 
 
 def test_add_mask_token_adds_resizes_and_records(tokenizer):

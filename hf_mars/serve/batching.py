@@ -1,11 +1,14 @@
-"""The batching generation manager: waiting requests decoded together in one left-padded MARS `generate` call.
+"""The generation manager: in-flight MARS batching.
 
-One worker thread owns the model (as transformers' `InferenceThread` does); requests queue in arrival order; each
-call takes the oldest request and every waiting request with the same generation settings (up to
-``max_batch_size``), at the τ the ladder gives for the load when it starts. A request whose client went away
-(stream closed, or a non-streaming request whose connection dropped) stops its row at the next step. If a batched
-call fails, each of its requests that has not streamed anything yet is decoded again on its own: one bad request
-fails alone, never the requests batched with it.
+One worker thread owns the model (as transformers' `InferenceThread` does); requests queue in arrival order. A
+MARS request joins the running batch at the next step (`MARSEngine`: its prompt is prefilled alone, then merged
+into the batch), up to ``max_batch_size`` rows, and leaves it when done, so a short answer never waits for a long
+one. Each step runs at the τ the ladder gives for the live load (waiting + decoding requests), per row: a
+request's own ``mars_threshold`` stays its own. A request whose client went away (stream closed, or a
+non-streaming request whose connection dropped) leaves at the next step. Rows whose settings cannot share the
+batch (processors or criteria that read the history: penalties, stop strings, minimum lengths) step beside it,
+round-robin; plain (non-MARS) and seeded requests decode alone in one `generate` call between steps. If a step
+fails, each request that has not streamed anything yet is decoded again on its own: one bad request fails alone.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 from .. import _compat as tf
 from ..generation import DEFAULT_VERIFY_THRESHOLD
+from ..generation.engine import MARSEngine
 from .errors import HTTPError
 from .ladder import TauLadder
 from .metrics import Metrics
@@ -44,6 +48,7 @@ class _Job:
     started: asyncio.Event | None = None  # set (on `loop`) at the first streamed tokens or the end
     error: BaseException | None = None
     streamed: int = 0  # tokens handed to the streamer
+    tokens: list = field(default_factory=list)  # in-flight rows: the tokens emitted so far
     prompt_sent: bool = False  # transformers' streamer takes the prompt first (and skips it)
 
     def cancelled(self) -> bool:
@@ -128,6 +133,7 @@ class MARSBatchingManager:
         self.jobs: dict[str, _Job] = {}  # request id -> its job, until the app has read it (see `job_for`)
         self._waiting: deque[_Job] = deque()
         self._in_flight = 0
+        self._emitted = self._forwards = 0  # over finished in-flight requests: tokens per forward
         self._cond = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._work, name="hf-mars-decode", daemon=True)
@@ -208,44 +214,133 @@ class MARSBatchingManager:
             self.metrics.queue_depth.set(len(self._waiting))
             self._cond.notify()
 
-    def _take(self):
-        """The next group of requests to decode together, and the load when it starts."""
+    def _take(self, running: int):
+        """The waiting requests to start now (as many as there are free rows) and the load; blocks while nothing
+        decodes and nothing waits. None once stopping and idle."""
         with self._cond:
-            while not self._waiting:
+            while not self._waiting and not running:
                 if self._stopping:
                     return None, 0
                 self._cond.wait()
-            load = len(self._waiting) + self._in_flight
-            first = self._waiting[0]
-            group = [j for j in self._waiting if j.key == first.key][: 1 if first.call else self.max_batch_size]
-            for job in group:
-                self._waiting.remove(job)
-            self._in_flight = len(group)
+            load = len(self._waiting) + running
+            taken = []
+            while self._waiting and running + len(taken) < self.max_batch_size:
+                taken.append(self._waiting.popleft())
             self.metrics.queue_depth.set(len(self._waiting))
-            self.metrics.in_flight.set(self._in_flight)
-            return group, load
+            return taken, load
 
     def _work(self):
+        engine = None
         while True:
-            group, load = self._take()
-            if group is None:
+            taken, load = self._take(len(engine) if engine is not None else 0)
+            if taken is None:
                 return
+            for job in taken:
+                if engine is None and job.call is None and job.mars and job.seed is None:
+                    engine = MARSEngine(self.model)
+                self._start(job, engine, load)
+            if engine is not None and len(engine):
+                if not self._step(engine, load):
+                    engine = None  # the step failed: its rows were answered one by one
+            with self._cond:
+                self._in_flight = len(engine) if engine is not None else 0
+                self.metrics.in_flight.set(self._in_flight)
+
+    def _start(self, job, engine, load):
+        """A taken request: a call or a plain / seeded request runs now, alone; a MARS request joins the batch."""
+        if job.call is not None or (job.mars and job.seed is None):  # (`_decode` observes its own)
+            self.metrics.queue_wait.observe(time.perf_counter() - job.arrived)
+        try:
+            if job.call is not None:
+                fn, args, kwargs = job.call
+                job.resolve(fn(*args, **kwargs))
+            elif job.cancelled():
+                self.metrics.cancelled.inc()
+                job.resolve()
+            elif not job.mars or job.seed is not None:
+                self._decode([job], load)
+            else:
+                self._join(engine, job, load)
+        except Exception as e:  # noqa: BLE001 - this request's own failure; the decode thread goes on
+            if job.call is None:
+                self.metrics.failed_alone.inc()
+            job.resolve(error=e)
+
+    def _default_tau(self, load: int) -> float:
+        """τ for rows without their own: the ladder's rung for the load (lossless: verify's draft threshold)."""
+        return DEFAULT_VERIFY_THRESHOLD if self.lossless else self.ladder.tau_for(load)
+
+    def _join(self, engine, job, load):
+        if job.streamer is not None and not job.prompt_sent:
+            job.streamer.put(torch.tensor(job.input_ids))  # transformers' streamer skips the prompt
+            job.prompt_sent = True
+        mars_args = dict(self.mars_options, tokenizer=self.processor)
+        if self.lossless:
+            mars_args["mars_verify"] = True
+        events = engine.add(job, job.input_ids, copy.deepcopy(job.gen_config), job.tau,
+                            default_tau=self._default_tau(load), **mars_args)
+        self._deliver(events)
+
+    def _step(self, engine, load) -> bool:
+        """One step of every decoding row; False when it failed (each row then answered alone)."""
+        m = self.metrics
+        gone = [job for job in engine.handles() if job.cancelled()]
+        if gone:
+            engine.cancel(gone)
+            for job in gone:
+                m.cancelled.inc()
+                job.resolve()
+        if not len(engine):
+            return True
+        tau, rows, started = self._default_tau(load), len(engine), time.perf_counter()
+        try:
+            events = engine.step(tau)
+        except Exception as e:  # noqa: BLE001 - answered below, per request
+            self._recover(engine.handles(), e, load)
+            return False
+        elapsed = time.perf_counter() - started
+        m.batch_size.observe(rows)
+        m.decode_seconds.inc(elapsed)
+        m.tokens_per_second.set(sum(len(ev.tokens) for ev in events) / max(elapsed, 1e-9))
+        label = self.ladder.label(tau) if not self.lossless else f"verify {tau:g}"
+        m.batches.labels(tau=label).inc()
+        m.tau.set(tau)
+        self._deliver(events)
+        return True
+
+    def _deliver(self, events):
+        """New tokens to each request's stream; finished requests answered."""
+        m = self.metrics
+        for job, tokens, finished, forwards in events:
+            job.tokens.extend(tokens)
+            m.tokens.inc(len(tokens))
+            if tokens and job.streamer is not None and not job.cancelled():
+                try:
+                    job.streamer.put(torch.tensor(tokens))
+                    if not job.streamed:
+                        job.mark_started()
+                    job.streamed += len(tokens)
+                except tf.generation_cancelled_error():
+                    pass  # the row leaves at the next step
+            if finished:
+                job.resolve(torch.tensor(job.tokens, dtype=torch.long))
+                m.latency.observe(time.perf_counter() - job.arrived)
+                m.forwards.inc(forwards)
+                self._emitted, self._forwards = self._emitted + len(job.tokens), self._forwards + forwards
+                m.tokens_per_forward.set(self._emitted / max(self._forwards, 1))
+
+    def _recover(self, jobs, error, load):
+        """A failed step: each request that has streamed nothing is decoded again alone; the others fail."""
+        for job in jobs:
+            if job.streamed:
+                job.resolve(error=error)
+                continue
+            job.tokens = []
             try:
-                if group[0].call is not None:
-                    fn, args, kwargs = group[0].call
-                    try:
-                        group[0].resolve(fn(*args, **kwargs))
-                    except Exception as e:  # noqa: BLE001 - handed to the caller
-                        group[0].resolve(error=e)
-                else:
-                    self._decode(group, load)
-            except Exception as e:  # noqa: BLE001 - the decode thread must outlive any request
-                for job in group:
-                    job.resolve(error=e)
-            finally:
-                with self._cond:
-                    self._in_flight = 0
-                    self.metrics.in_flight.set(0)
+                self._generate([job], load, time.perf_counter())
+            except Exception as alone:  # noqa: BLE001 - this request's own failure
+                self.metrics.failed_alone.inc()
+                job.resolve(error=alone)
 
     # ---- one batched generate call
     def _decode(self, group, load):

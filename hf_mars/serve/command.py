@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 
+from ..generation.config import MARSGenerationConfig
 from .ladder import TauLadder
+
+SERVER_OPTIONS = ("acceptance", "block_size")  # server-wide MARS options (τ: the ladder; verify: --lossless)
 
 
 def add_arguments(p):
@@ -17,14 +20,14 @@ def add_arguments(p):
                    help="Require `Authorization: Bearer KEY` on every route but /health (the openai client's "
                         "api_key).")
     p.add_argument("--tau-ladder", default="0:1.0,2:0.99",
-                   help="LOAD:TAU rungs: a generate call starting with LOAD requests waiting + in flight runs at "
-                        "the τ of the highest rung <= LOAD (default '0:1.0,2:0.99': exact AR when idle).")
+                   help="LOAD:TAU rungs: each decoding step, with LOAD requests waiting + decoding, runs the rows "
+                        "without their own mars_threshold at the τ of the highest rung <= LOAD (default "
+                        "'0:1.0,2:0.99': exact AR when idle).")
     p.add_argument("--lossless", action="store_true",
                    help="Verify mode at every rung: answers equal greedy decoding; load still raises throughput.")
-    p.add_argument("--mars-acceptance", choices=["probability", "entropy", "margin"], default=None,
-                   help="Confidence rule τ is compared with (default: the checkpoint's, else probability).")
-    p.add_argument("--mars-block-size", type=int, default=None, help="Masks per step (default: the checkpoint's).")
-    p.add_argument("--max-batch-size", type=int, default=8, help="Requests decoded together in one call.")
+    MARSGenerationConfig.add_arguments(p, SERVER_OPTIONS)
+    p.add_argument("--max-batch-size", type=int, default=8,
+                   help="Requests decoding at once: a request joins the running batch at its next step, up to this.")
     p.add_argument("--max-queue", type=int, default=256, help="Waiting requests beyond which new ones get 429.")
     p.add_argument("--max-prompt-tokens", type=int, default=4096, help="Longer prompts get 413.")
     p.add_argument("--max-tokens-limit", type=int, default=1024,
@@ -108,8 +111,7 @@ def run(args):
     for name in ("read_timeout", "template_timeout", "graceful_timeout"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}")
-    options = {k: v for k, v in (("mars_acceptance", args.mars_acceptance),
-                                 ("mars_block_size", args.mars_block_size)) if v is not None}
+    options = MARSGenerationConfig.from_arguments(args, SERVER_OPTIONS)
     app = build_app(args.model, ladder, served_model_name=args.served_model_name, lossless=args.lossless,
                     max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                     max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,

@@ -1,0 +1,36 @@
+"""MARS decoding inside ``model.generate`` (sliding window, block-level KV cache, lossless verify mode).
+
+One module per concern, each importing only torch, transformers, the standard library and its siblings (the
+package ships inside every MARS checkpoint as ``custom_generate/``, see `hf_mars.hub`):
+
+- `config`: `MARSGenerationConfig`, the ``mars_*`` options, their defaults and checks; the checkpoint metadata.
+- `clients`: which logits processors and stopping criteria keep state, and what they may be shown.
+- `rules`: the acceptance rules, each written once, and `reference_decode`, the algorithm in one screen.
+- `plan`: a step's per-row counts and its chunk, laid out on the host.
+- `cache`: the KV cache's rollback (crop, 2D mask, compaction, static caches).
+- `decoder`: the rows of one generation and the step loop; `exact`: the path for stateful clients.
+- `api`: `mars_generate`, `enable_mars` and the routing of ``generate``.
+"""
+
+from .api import MARSGenerateOutput, enable_mars, generate, mars_generate
+from .cache import COMPACT_THRESHOLD, STATIC_CACHE_SUPPORTED
+from .config import (
+                     ACCEPTANCE_MODES,
+                     CACHE_MODES,
+                     DEFAULT_BLOCK_SIZE,
+                     DEFAULT_CACHE_BLOCK,
+                     DEFAULT_THRESHOLD,
+                     DEFAULT_VERIFY_THRESHOLD,
+                     MARS_ARGUMENTS,
+                     MARSGenerationConfig,
+                     check_block_size,
+                     check_threshold,
+                     mask_token_id,
+                     read_mars_metadata,
+)
+from .rules import reference_decode
+
+__all__ = ["mars_generate", "enable_mars", "generate", "reference_decode", "MARSGenerateOutput", "MARS_ARGUMENTS",
+           "MARSGenerationConfig", "ACCEPTANCE_MODES", "CACHE_MODES", "DEFAULT_BLOCK_SIZE", "DEFAULT_CACHE_BLOCK",
+           "DEFAULT_THRESHOLD", "DEFAULT_VERIFY_THRESHOLD", "COMPACT_THRESHOLD", "STATIC_CACHE_SUPPORTED",
+           "check_block_size", "check_threshold", "mask_token_id", "read_mars_metadata"]

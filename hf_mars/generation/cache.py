@@ -1,0 +1,129 @@
+"""The KV cache a MARS call decodes into, and how it is rolled back.
+
+Each step feeds masks (and verify mode's drafts) that must leave no trace: their columns are cropped off the
+cache's end (dynamic, sliding-window and, from transformers 5.24, static layers roll back exactly). Batched rows
+accept different counts, so some kept columns are padding in some rows: a 2D attention mask over the cache's
+columns hides them, and `compact` removes them once they are more than a small share of the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import (
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    StaticCache,
+    StaticLayer,
+)
+
+COMPACT_THRESHOLD = 0.1  # batched caches are compacted once masked pad columns exceed this share of them
+STATIC_CACHE_SUPPORTED = hasattr(StaticLayer, "crop")
+ROLLBACK_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer) + ((StaticLayer,) if STATIC_CACHE_SUPPORTED else ())
+STATIC_CACHE_BUCKET = 256  # static caches MARS creates hold a multiple of this many positions
+
+
+def static_cache_length(model, generation_config, needed: int) -> int:
+    """Positions of the static cache MARS decodes into: every compiled graph is specialised to the cache's shape,
+    so a length per prompt length would recompile per prompt length (and soon exhaust Dynamo's recompile limit,
+    falling back to eager). As plain `generate` does, the length only grows across calls (the largest so far is
+    kept on the model) and honours `generation_config.max_cache_len`; beyond that it is rounded up to a multiple
+    of `STATIC_CACHE_BUCKET`, so a stream of prompts of every length compiles a handful of graphs at most."""
+    floor = max(needed, getattr(model, "_mars_static_cache_length", 0),
+                getattr(generation_config, "max_cache_len", None) or 0)
+    size = -(-floor // STATIC_CACHE_BUCKET) * STATIC_CACHE_BUCKET
+    model._mars_static_cache_length = size
+    return size
+
+
+def check_rollback(model, cache) -> None:
+    """A clear error for a cache MARS cannot roll back (quantized, offloaded, linear-attention, state-space)."""
+    layers = getattr(cache, "layers", None) or []
+    odd = sorted({type(layer).__name__ for layer in layers if type(layer) not in ROLLBACK_LAYERS})
+    if odd or getattr(cache, "is_croppable", True) is False:  # (is_croppable: transformers >= 5.17)
+        model_type = getattr(model.config, "model_type", type(model).__name__)
+        raise ValueError(
+            f"MARS decoding rolls the KV cache back after every step; {type(cache).__name__} of {model_type!r} "
+            f"({', '.join(odd) or 'not croppable'}) cannot do that. Use the default dynamic cache or "
+            "cache_implementation='static' (transformers >= 5.24; quantized and offloaded caches cannot roll "
+            "back); models with linear-attention or state-space layers are not supported.")
+
+
+class RollbackCache:
+    """The cache, its real length and the 2D mask over its columns (None while every column is real)."""
+
+    def __init__(self, model, generation_config, cache, batch: int, needed: int):
+        if cache is None:  # generate always prepares one; be safe if it did not
+            cache = DynamicCache(config=model.config)
+        layers = getattr(cache, "layers", [])
+        # sliding-window layers count cache columns, so a masked-out column inside the window would shorten it:
+        # they keep their past until each crop (rollback), and batch rows move in lockstep (no ragged columns)
+        self.sliding = any(type(layer) is DynamicSlidingWindowLayer for layer in layers)
+        if self.sliding:
+            cache.activate_past_recording()
+        # a static cache holds a fixed number of columns: rows move in lockstep (no masked pad columns pile up) and
+        # it must fit the prompt, the new tokens and one step's masks / drafts beyond them
+        self.static = any(type(layer) is StaticLayer for layer in layers)
+        if self.static:
+            capacity = min(layer.max_cache_len for layer in layers)
+            if cache.get_seq_length() > 0:  # a cache that holds a prefix is used as it is
+                if capacity < needed:
+                    raise ValueError(
+                        f"This StaticCache holds {capacity} positions; MARS decoding needs {needed} (prompt + new "
+                        f"tokens + one step's masks and drafts). Pass StaticCache(config, max_cache_len={needed}).")
+            else:  # an empty one (generate's, sized for this call's plain decoding): see `static_cache_length`
+                size = static_cache_length(model, generation_config, needed)
+                if capacity != size:
+                    cache = StaticCache(config=model.config, max_cache_len=size)
+        self.cache = cache
+        self.static_len = min(layer.max_cache_len for layer in cache.layers) if self.static else 0
+        self.batch = batch
+        self.attn = None
+        self.length = 0
+
+    def attention_mask(self, col_real, device):
+        """The 2D mask for a forward over the cache plus a chunk whose real columns are ``col_real``."""
+        past = self.attn
+        if past is None:
+            past = torch.ones(self.batch, self.length, dtype=torch.long, device=device)
+        mask = torch.cat([past, col_real.long()], dim=1)
+        if self.static_len:  # the cache's full length: one mask shape every step (one compiled graph); the
+            # columns past the chunk are unwritten and causally masked anyway
+            mask = torch.nn.functional.pad(mask, (0, self.static_len - mask.shape[1]))
+        return mask
+
+    def roll_back(self, drop: int, kept_real, keep: int, device) -> None:
+        """Crop the last ``drop`` columns the forward wrote; the ``keep`` before them stay (``kept_real``: which
+        of those are real per row, None when all are)."""
+        if drop or self.sliding:  # crop(0) trims sliding layers back to their window
+            self.cache.crop(-drop)
+        if not keep:
+            return
+        if kept_real is not None or self.attn is not None:
+            if kept_real is None:
+                kept_real = torch.ones(self.batch, keep, dtype=torch.bool, device=device)
+            past = self.attn
+            if past is None:
+                past = torch.ones(self.batch, self.length, dtype=torch.long, device=device)
+            self.attn = torch.cat([past, kept_real.long()], dim=1)
+        self.length += keep
+
+    def compact(self, longest: int, threshold: float = COMPACT_THRESHOLD) -> bool:
+        """Move each row's real columns to the right end and drop the columns that are padding in every row, once
+        they are more than ``threshold`` of the cache (``longest``: the longest row's real columns).
+
+        Keys already carry their rotary positions and attention does not care where a key sits, only whether it is
+        masked, so the output is unchanged; the cache then holds no more columns than the longest row needs."""
+        waste = self.length - longest
+        if self.attn is None or waste <= max(threshold * self.length, 0):
+            return False
+        order = torch.argsort(self.attn, dim=1, stable=True)[:, waste:]  # pads first, real columns in order
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue
+            idx = order[:, None, :, None]
+            layer.keys = layer.keys.gather(2, idx.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
+            layer.values = layer.values.gather(2, idx.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
+        self.attn = self.attn.gather(1, order)
+        self.length -= waste
+        return True

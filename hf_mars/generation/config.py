@@ -1,0 +1,198 @@
+"""`MARSGenerationConfig`: the one place the ``mars_*`` options, their defaults and their checks live.
+
+Also the owner of the checkpoint's MARS metadata (``model.config.mars``: the mask token id, the trained block
+size, the training steps) and of the tau / B rules the trainer, the hub code and the server reuse. This module
+ships inside checkpoints (``custom_generate/``): it imports only torch, transformers and the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from transformers.utils import logging as _hf_logging
+
+_logger = _hf_logging.get_logger(__name__)
+
+DEFAULT_THRESHOLD = 0.95  # the paper's multi-token setting (1.0 = one token per forward = AR greedy)
+DEFAULT_VERIFY_THRESHOLD = 0.3  # verify mode: drafts kept while their probability is >= this (output unaffected)
+DEFAULT_BLOCK_SIZE = 4  # the paper's default block size
+DEFAULT_CACHE_BLOCK = 16  # block-cache chunk; the paper's best is 16-32
+ACCEPTANCE_MODES = ("probability", "entropy", "margin")
+CACHE_MODES = ("sliding", "block", "block_trained")
+
+
+def _field(default, help_text: str):
+    return dataclasses.field(default=default, metadata={"help": help_text})
+
+
+@dataclasses.dataclass
+class MARSGenerationConfig:
+    """How MARS decodes: one field per ``mars_*`` argument of ``generate`` (``mars_threshold`` is ``threshold``).
+
+    ``None`` means "not given": `resolve` fills it from the generation config's ``mars_*`` field, then the
+    checkpoint's ``config.mars``, then the built-in default. Built directly, ``None`` fields take the built-in
+    defaults. Every field is checked in ``__post_init__``, so a config that exists is a valid one.
+
+    Pass one to ``generate(..., mars_config=MARSGenerationConfig(threshold=0.9))``; ``mars_*`` arguments given
+    beside it override its fields.
+    """
+
+    threshold: float | None = _field(None, (
+        "tau in [0, 1]. Threshold mode: after the AR token, mask candidates are accepted left to right while their "
+        f"confidence is >= tau (default {DEFAULT_THRESHOLD}; 1.0 = one token per forward, exactly greedy AR). "
+        f"Verify mode: drafts are kept while confident (default {DEFAULT_VERIFY_THRESHOLD}); the output never "
+        "depends on it."))
+    block_size: int | None = _field(None, (
+        "B, mask tokens appended per step (candidates: the AR token + B - 1 masks). Default: the block size the "
+        f"checkpoint was trained with (config.mars['block_size']), else {DEFAULT_BLOCK_SIZE}."))
+    acceptance: str = _field("probability", (
+        f"Confidence rule, one of {ACCEPTANCE_MODES}: the chosen token's probability, exp(-entropy) (>= tau means "
+        "entropy <= -ln tau nats) or the top-1 minus top-2 margin; all on the processed distribution."))
+    max_accept: int | None = _field(None, "Cap on tokens accepted per forward (None: no cap).")
+    cache: str = _field("sliding", (
+        f"KV-cache mode, one of {CACHE_MODES}: 'sliding' (masks are cropped after every step; rows never wait), "
+        "'block' (the paper's block-level cache: chunks of cache_block positions over a frozen prefix) or "
+        "'block_trained' (the same chunks, fed as [accepted | B masks])."))
+    cache_block: int = _field(DEFAULT_CACHE_BLOCK, "Block-cache chunk length (the paper's best is 16-32).")
+    verify: bool = _field(False, (
+        "Lossless self-speculative mode: the masks' predictions are drafts that the next forward verifies; the "
+        "output equals plain greedy decoding (plain sampling in distribution). Needs cache='sliding'."))
+    use_last_mask: bool | None = _field(None, (
+        "Read the last mask's prediction too (B + 1 candidates). Default: on in verify mode (a wrong draft only "
+        "costs its rejection), off in threshold mode (it costs accuracy there)."))
+
+    def __post_init__(self):
+        # the fields set to something other than their default: what a `mars_config=` passed to generate imposes
+        self._explicit = frozenset(f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default)
+        if self.use_last_mask is None:
+            self.use_last_mask = self.verify is True
+        if self.threshold is None:
+            self.threshold = DEFAULT_VERIFY_THRESHOLD if self.verify is True else DEFAULT_THRESHOLD
+        if self.block_size is None:
+            self.block_size = DEFAULT_BLOCK_SIZE
+        self.threshold = check_threshold(self.threshold)
+        check_block_size(self.block_size)
+        if self.acceptance not in ACCEPTANCE_MODES:
+            raise ValueError(f"mars_acceptance must be one of {ACCEPTANCE_MODES}, got {self.acceptance!r}.")
+        m = self.max_accept
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"mars_max_accept must be None or an int >= 1, got {m!r}.")
+        if self.cache not in CACHE_MODES:
+            raise ValueError(f"mars_cache must be one of {CACHE_MODES}, got {self.cache!r}.")
+        c = self.cache_block
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"mars_cache_block must be an int >= 1 (the paper's best is 16-32), got {c!r}.")
+        for name in ("verify", "use_last_mask"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"mars_{name} must be True or False, got {getattr(self, name)!r}.")
+        if self.verify and self.cache != "sliding":
+            raise ValueError(
+                "mars_verify=True keeps its own sliding cache (rejected drafts are masked out in place); "
+                f"it cannot be combined with mars_cache={self.cache!r}. Use mars_cache='sliding'.")
+
+    @classmethod
+    def argument_names(cls) -> tuple:
+        """The ``generate`` arguments, ``mars_<field>``, in field order."""
+        return tuple("mars_" + f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def resolve(cls, model, generation_config=None, base: MARSGenerationConfig | None = None, **given):
+        """This call's options. Per field: the ``mars_*`` argument > ``base`` (a ``mars_config=``) > the
+        generation config's ``mars_*`` > ``config.mars`` (block size) > the built-in default. In verify mode tau
+        comes only from the call: a generation config's ``mars_threshold`` is the threshold-mode knob."""
+        if base is not None and not isinstance(base, cls):
+            raise ValueError(f"mars_config must be a MARSGenerationConfig, got {type(base).__name__}.")
+        meta = read_mars_metadata(getattr(model, "config", None))
+        values = {}
+        for f in dataclasses.fields(cls):
+            value = given.get("mars_" + f.name)
+            if value is None and base is not None and f.name in base._explicit:
+                value = getattr(base, f.name)
+            if value is None and f.name != "threshold":
+                value = getattr(generation_config, "mars_" + f.name, None)
+            if value is not None:
+                values[f.name] = value
+        if "threshold" not in values and values.get("verify") is not True:
+            values["threshold"] = getattr(generation_config, "mars_threshold", None)
+        if values.get("block_size") is None:
+            values["block_size"] = meta.get("block_size") or DEFAULT_BLOCK_SIZE
+        config = cls(**values)
+        config.warn_about(meta)
+        return config
+
+    @classmethod
+    def add_arguments(cls, parser, names) -> None:
+        """Command-line flags ``--mars-<field>`` for the fields ``names`` (their help, type and choices come from
+        here, so a command never respells them); an unset flag is None, so `resolve`'s defaults apply."""
+        choices = {"acceptance": ACCEPTANCE_MODES, "cache": CACHE_MODES}
+        types = {"threshold": float, "block_size": int, "max_accept": int, "cache_block": int}
+        for f in dataclasses.fields(cls):
+            if f.name not in names:
+                continue
+            flag = "--mars-" + f.name.replace("_", "-")
+            text = f.metadata["help"]
+            if f.name in ("verify", "use_last_mask"):
+                parser.add_argument(flag, default=None, action=argparse.BooleanOptionalAction, help=text)
+            else:
+                parser.add_argument(flag, default=None, type=types.get(f.name, str), choices=choices.get(f.name),
+                                    help=text)
+
+    @classmethod
+    def from_arguments(cls, args, names) -> dict:
+        """The ``mars_*`` generate arguments a command's flags set (see `add_arguments`)."""
+        return {"mars_" + n: getattr(args, "mars_" + n) for n in names if getattr(args, "mars_" + n, None) is not None}
+
+    def warn_about(self, meta: dict) -> None:
+        """Warnings for options that decode poorly on this checkpoint (they stay allowed)."""
+        if not meta.get("trained_steps"):
+            _logger.warning_once(
+                "This model's mask token was never MARS-trained (config.mars has no `trained_steps`): MARS decoding "
+                "will accept poor guesses (verify mode stays exact but slow). Fine-tune with hf_mars.MARSTrainer.")
+        trained = meta.get("block_size")
+        if isinstance(trained, int) and self.block_size > trained:
+            _logger.warning_once(
+                f"mars_block_size={self.block_size} is larger than the block size this model was trained with "
+                f"({trained}): masks beyond the trained distance predict poorly. Use mars_block_size <= {trained}.")
+
+
+MARS_ARGUMENTS = ("mars", "mars_config") + MARSGenerationConfig.argument_names() + ("mars_streamer",)
+
+
+def read_mars_metadata(config) -> dict:
+    """``config.mars`` (``{}`` when the model was never prepared for MARS); a non-dict value is an error."""
+    meta = getattr(config, "mars", None)
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise ValueError(f"config.mars must be a dict, got {type(meta).__name__}.")
+    return meta
+
+
+def check_threshold(value, name: str = "mars_threshold") -> float:
+    """tau is a number in [0, 1]; 1.0 is one token per forward, exactly AR."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1] (1.0 = one token per forward, exactly AR), got {value!r}.")
+    return float(value)
+
+
+def check_block_size(value, name: str = "mars_block_size") -> int:
+    """B is an int >= 1 (the paper trains with 4)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1 (the trained block size, e.g. 4), got {value!r}.")
+    return value
+
+
+def mask_token_id(model, required: bool = True) -> int | None:
+    """The mask token id recorded in ``model.config.mars`` (the MARS metadata contract)."""
+    mask_id = read_mars_metadata(getattr(model, "config", None)).get("mask_token_id")
+    if mask_id is None:
+        if not required:
+            return None
+        raise ValueError(
+            "MARS decoding needs a mask token, but model.config.mars['mask_token_id'] is not set: this model was "
+            "never prepared for MARS. Add the mask token with `hf_mars.add_mask_token(model, tokenizer)` and fine-tune "
+            "with `hf_mars.MARSTrainer` (an untrained mask token predicts nothing useful), or load a MARS checkpoint.")
+    if isinstance(mask_id, bool) or not isinstance(mask_id, int) or mask_id < 0:
+        raise ValueError(f"model.config.mars['mask_token_id'] must be a non-negative int, got {mask_id!r}.")
+    return mask_id

@@ -1,0 +1,565 @@
+"""The MARS decoding loop: the rows of one generation and the step that advances them.
+
+One step reads top to bottom (`MARSDecoder.step`): plan (per-row counts, `plan.py`), build the chunk (each row's
+uncached committed tokens, pending drafts, mask tokens), one forward over the KV cache, read the candidate
+slots, decide (logits processors, then the rules of `rules.py`, one host sync), roll the cache back
+(`cache.py`), commit. Two cases move the rows in lockstep (the same count per step): stateful logits processors
+or criteria (they must see exactly the calls plain decoding makes: `exact.py`), and sliding-window or static
+caches (a window counts cache columns; a static cache has no room for ragged columns).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+
+import torch
+
+from .cache import RollbackCache
+from .clients import history_free, sort_clients
+from .config import mask_token_id
+from .exact import decide_exact
+from .plan import plan_step, to_device
+from .rules import (
+    Decision,
+    choose,
+    confidence,
+    cut_at_stop,
+    lockstep,
+    proposed_drafts,
+    speculative_sample,
+    threshold_run,
+    verified_drafts,
+)
+
+# model kwargs the loop manages itself ("past_key_values" is the cache's name before transformers 5.2x)
+LOOP_KWARGS = ("cache", "past_key_values", "attention_mask", "position_ids", "use_cache", "logits_to_keep",
+               "inputs_embeds")
+
+
+def cache_key(model_kwargs) -> str:
+    return "past_key_values" if "past_key_values" in model_kwargs and "cache" not in model_kwargs else "cache"
+
+
+@dataclasses.dataclass
+class Shape:
+    """The geometry of every step: how many candidates, drafts and chunk columns."""
+
+    candidates: int  # candidate slots per step: the AR token + the masks read (B, or B + 1 with the last mask)
+    max_drafts: int  # verify mode: drafts a step may propose
+    one_token: bool  # tau >= 1 (or a stateful processor that cannot be copied): one token per forward
+    block: bool  # block-level cache (chunks of `chunk` positions over a frozen prefix)
+    chunk: int
+    fixed_width: int | None = None  # compiled steps: the one chunk width every step is padded to
+
+
+@dataclasses.dataclass
+class Rows:
+    """Per-row state on the host (python lists, one entry per row): mirrors that cost no device sync."""
+
+    emitted: list  # tokens emitted
+    fed: list  # generated index of the first token not in the cache (-P: the prompt is not fed yet)
+    unfinished: list
+    in_chunk: list  # block cache: tokens accepted in the current chunk
+    tokens: list  # each row's emitted tokens
+    drafts: list  # verify mode: each row's pending drafts
+    forwards: list  # forward passes each row took part in
+    streamed: list  # lagging criteria: tokens streamed (never past `checked`)
+    limit: list  # new tokens each row may emit
+    chunk_start: bool = True  # block cache: the next step starts a chunk
+    checked: int = 0  # lagging criteria: positions 1..checked have had their AR call
+
+    @classmethod
+    def new(cls, b: int, prompt_len: int, limit: int) -> Rows:
+        return cls(emitted=[0] * b, fed=[-prompt_len] * b, unfinished=[True] * b, in_chunk=[0] * b,
+                   tokens=[[] for _ in range(b)], drafts=[[] for _ in range(b)], forwards=[0] * b, streamed=[0] * b,
+                   limit=[limit] * b)
+
+    def select(self, keep: list) -> None:
+        """Keep only the rows ``keep`` (in that order)."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                setattr(self, f.name, [value[i] for i in keep])
+
+    def extend(self, other: Rows) -> None:
+        """Append another generation's rows."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                value.extend(getattr(other, f.name))
+
+
+class MARSDecoder:
+    """The rows of one MARS generation (threshold, block-cache or verify mode) and the step that advances them."""
+
+    def __init__(self, model, input_ids, logits_processor, stopping_criteria, generation_config, opts, streamer,
+                 model_kwargs):
+        self.model, self.opts, self.streamer = model, opts, streamer
+        self.device = input_ids.device
+        b, P = input_ids.shape
+        self.batch, self.prompt_len = b, P
+        self.do_sample = bool(generation_config.do_sample)
+        self.output_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+        self.output_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
+        self.mask_token_id = mask_token_id(model)
+        self.clients = sort_clients(logits_processor, stopping_criteria, self.mask_token_id, self.output_scores)
+        self.reads_history = self.clients.reads_history
+        self.suppress_t = torch.tensor(self.clients.suppress, dtype=torch.long, device=self.device)
+        self.eos_t = (torch.tensor(sorted(set(self.clients.eos_ids)), dtype=torch.long, device=self.device)
+                      if self.clients.eos_ids else None)
+        max_length = self.clients.max_length or generation_config.max_length
+        if max_length is None:
+            raise ValueError("MARS decoding needs a length limit: pass max_new_tokens or max_length.")
+        self.max_new = int(max_length) - P
+        pad = generation_config.pad_token_id
+        if pad is None and self.clients.eos_ids:
+            pad = self.clients.eos_ids[0]
+        self.pad = int(torch.as_tensor(pad).flatten()[0]) if pad is not None else 0
+        one_token = opts.threshold >= 1.0
+        candidates = opts.block_size + 1 if opts.use_last_mask else opts.block_size
+        self.shape = Shape(candidates=candidates, max_drafts=0 if one_token else candidates - 1,
+                           one_token=one_token, block=opts.cache in ("block", "block_trained"), chunk=opts.cache_block)
+        max_slots = 2 * self.shape.max_drafts + 1 if opts.verify else candidates
+        self.buf_len = P + max(self.max_new, 0) + max_slots + 2
+        self.cache = RollbackCache(model, generation_config, model_kwargs.get(cache_key(model_kwargs)), b,
+                                   needed=P + max(self.max_new, 0) + 3 * candidates + 2)
+        self._prepare_prompt(input_ids, model_kwargs.get("attention_mask"), max_slots)
+        self._prepare_forward(generation_config, model_kwargs)
+        self.rows = Rows.new(b, P, self.max_new)
+        self.row_tau = self.tau_t = None  # per-row tau (`set_row_taus`); None: opts.threshold for every row
+        self.q_drafts = None  # verify + sampling: the distributions the pending drafts were drawn from
+        self.copies_failed = False  # a stateful processor could not be copied (`exact.disposable_chain`)
+        self.records = [] if (self.output_scores or self.output_logits) else None
+        self.compactions = 0
+        # ragged rows leave masked columns in the cache, which every later forward pays for: compacted away
+        # (dynamic full-attention caches, unlocked batches only). Sliding-window and static caches need every
+        # row to accept the same count each step (the exact path already moves rows that way)
+        self.compactable = not self.clients.exact and not self.shape.block and not (
+            self.cache.sliding or self.cache.static)
+        self.lockstep = b > 1 and not self.clients.exact and (self.cache.sliding or self.cache.static)
+
+    def _prepare_prompt(self, input_ids, attn, max_slots):
+        """The token buffer (prompt | generated history, kept on the device only when processors or criteria
+        read it) and the prompt's positions: left padding makes each row's positions start at its first token."""
+        b, P, dev = self.batch, self.prompt_len, self.device
+        self.seq = torch.full((b, self.buf_len), self.pad, dtype=torch.long, device=dev)
+        self.seq[:, :P] = input_ids
+        self.prompt_attn = attn
+        if attn is not None:
+            self.prompt_real = attn.long().sum(-1)
+            self.prompt_pos = (attn.long().cumsum(-1) - 1).masked_fill(attn == 0, 0)
+        else:
+            self.prompt_real = torch.full((b,), P, dtype=torch.long, device=dev)
+            self.prompt_pos = torch.arange(P, device=dev).unsqueeze(0).expand(b, P)
+        self.prompt_real_host = self.prompt_real.tolist()
+        # a step's trailing drafts and masks may reach past the model's context (learned absolute positions,
+        # GPT-2 / OPT, then index past their table) although the answer fits: only tokens past max_new read
+        # those columns, so their positions are clamped to the last one (the emitted tokens are unchanged)
+        limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        self.last_position = limit - 1 if isinstance(limit, int) and P + self.max_new + max_slots > limit else None
+        self.arange = torch.arange(self.buf_len + 2 * (self.shape.chunk + self.shape.candidates) + 8, device=dev)
+        self.mask_col = torch.full((1, 1), self.mask_token_id, dtype=torch.long, device=dev)
+
+    def _prepare_forward(self, generation_config, model_kwargs):
+        """The forward of decode steps: torch.compile as generate decides it for plain decoding (a compileable
+        static cache, an accelerator or compile_config._compile_all_devices, not disabled). The prefill runs
+        eagerly. A compiled step keeps one width (extra masks at the end change nothing before them under causal
+        attention) so that one graph serves every step: the widest [committed | drafts] run plus the K-1 masks."""
+        model, opts, shape = self.model, self.opts, self.shape
+        self.model_forward = self.decode_forward = model.__call__
+        compile_config = getattr(generation_config, "compile_config", None)
+        wants = not getattr(generation_config, "disable_compile", False) and (
+            self.device.type in ("cuda", "xpu", "neuron", "tpu")
+            or bool(compile_config is not None and getattr(compile_config, "_compile_all_devices", None)))
+        if wants and self.cache.static and getattr(self.cache.cache, "is_compileable", False) and (
+                getattr(getattr(model, "hf_quantizer", None), "is_compileable", True)):
+            self.decode_forward = model.get_compiled_call(compile_config)
+            if not shape.block and not (shape.one_token and not opts.verify):
+                shape.fixed_width = (1 + shape.max_drafts if opts.verify else shape.candidates) + shape.candidates - 1
+        self.cache_key = cache_key(model_kwargs)
+        self.extra_forward_kwargs = {k: v for k, v in model_kwargs.items() if k not in LOOP_KWARGS}
+        self.supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    # ---------------------------------------------------------------- one step
+    def step(self) -> bool:
+        """One forward and everything it decides; False once every row has finished."""
+        plan = plan_step(self)
+        input_ids, position_ids, col_real = self._chunk(plan)
+        logits = self._forward(plan, input_ids, position_ids, col_real)
+        slot_logits, raw_logits = self._candidate_slots(plan, logits)
+        decision = decide_exact(self, plan, slot_logits) if self.clients.exact else self._decide(plan, slot_logits)
+        accepted = [len(t) for t in decision.tokens]
+        if self.records is not None:
+            self.records.append((decision.scores if self.output_scores else None, raw_logits, accepted))
+        rows = self.rows
+        finished = [plan.active[r] and (decision.stopped[r] or rows.emitted[r] + accepted[r] >= rows.limit[r])
+                    for r in range(self.batch)]
+        keep_cols = self._roll_back(plan, col_real, accepted, finished)
+        self._commit(plan, keep_cols, decision, finished)
+        if self.compactable and self.cache.attn is not None and self.cache.compact(
+                max(p + f for p, f in zip(self.prompt_real_host, rows.fed))):
+            self.compactions += 1
+        if self.clients.lagging is not None:
+            self._check_lagging()
+        return any(rows.unfinished)
+
+    def _chunk(self, plan):
+        """Inputs: per row [uncached committed | drafts | masks], right-aligned in a (batch, width) chunk.
+        Returns input_ids, position_ids and which columns are real (None when all are)."""
+        b, P, dev = self.batch, self.prompt_len, self.device
+        if plan.first:  # prefill: [prompt | masks], the same number of masks in every row
+            masks = plan.masks[plan.rows[0]]
+            input_ids = torch.cat([self.seq[:, :P], self.mask_col.expand(b, masks)], dim=1)
+            position_ids = torch.cat([self.prompt_pos, self.prompt_real[:, None] + self.arange[:masks][None]], dim=1)
+            col_real = None if self.prompt_attn is None else torch.cat(
+                [self.prompt_attn.bool(), torch.ones(b, masks, dtype=torch.bool, device=dev)], dim=1)
+            return input_ids, position_ids, col_real
+        if b == 1:  # no padding ever
+            offset = self.prompt_real_host[0] + self.rows.fed[0]
+            col_real = None if self.cache.attn is None else torch.ones(1, plan.width, dtype=torch.bool, device=dev)
+            return plan.input_ids, self.arange[offset:offset + plan.width][None], col_real
+        # pads only matter in rows still decoding; with none there and none in the cache, no mask at all
+        col_real = plan.real_t
+        if self.cache.attn is None and all(plan.lens[r] == plan.width for r in plan.rows):
+            col_real = None
+        return plan.input_ids, plan.pos_t, col_real
+
+    def _forward(self, plan, input_ids, position_ids, col_real):
+        """The model forward over the chunk (the cache is updated in place); the logits from candidate 0 on."""
+        attention_mask = None if col_real is None else self.cache.attention_mask(col_real, self.device)
+        kwargs = dict(self.extra_forward_kwargs)
+        kwargs[self.cache_key] = self.cache.cache
+        if self.supports_logits_to_keep:
+            kwargs["logits_to_keep"] = plan.logits_kept
+        if self.last_position is not None:
+            position_ids = position_ids.clamp(max=self.last_position)
+        forward = self.model_forward if plan.first else self.decode_forward
+        out = forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=True, return_dict=True, **kwargs)
+        for r in range(self.batch):
+            self.rows.forwards[r] += self.rows.unfinished[r]
+        return out.logits[:, -plan.logits_kept:]
+
+    def _candidate_slots(self, plan, logits):
+        """Slot s of row r reads the logits column before its drafts and masks, plus s. Returns the float32 slot
+        logits (suppressed tokens at -inf: the mask token is never emitted) and the raw ones for output_logits."""
+        S, kept = plan.max_slots, plan.logits_kept
+        if plan.uniform:
+            r0 = plan.rows[0]
+            offset = kept - (plan.masks[r0] + plan.drafts[r0] + 1)
+            slot_logits = logits[:, offset:offset + S]
+        else:  # (batches only: one row is always uniform)
+            slot_logits = logits.gather(1, plan.slot_col_t[:, :, None].expand(-1, -1, logits.shape[-1]))
+        slot_logits = slot_logits.to(dtype=torch.float32, copy=True)
+        raw_logits = slot_logits.clone() if self.output_logits else None  # output_logits: before any processing
+        slot_logits.index_fill_(-1, self.suppress_t, -math.inf)
+        return slot_logits, raw_logits
+
+    # ---------------------------------------------------------------- deciding (processors, then the rules)
+    def process(self, plan, slot_logits, chain, stop_at_ends=False):
+        """Run a processor chain on every slot and choose a token for it. A chain that ignores input_ids is one
+        call for all slots; otherwise slot s of row r is processed on the row's history extended by the tokens
+        of slots 0..s-1 (drafts where pending, chosen tokens otherwise), exactly what AR decoding would pass,
+        written into `seq` as it goes. Rows are grouped by history length; every call gets the full batch
+        (processors may hold per-row state) and rows outside the group are discarded. ``stop_at_ends`` (a chain
+        holding stateful objects): no history goes on past a row's EOS, as in AR decoding (grammar matchers raise
+        when handed one); once every row has ended no further slot is processed (none can be emitted)."""
+        if history_free(chain):
+            if len(chain) == 0:
+                return slot_logits, choose(slot_logits, self.do_sample)
+            b, S, V = slot_logits.shape
+            scores = chain(self.seq[:, :1].repeat_interleave(S, dim=0), slot_logits.reshape(-1, V)).view(b, S, V)
+            return scores, choose(scores, self.do_sample)
+        P, S = self.prompt_len, plan.max_slots
+        groups = {}
+        for r in plan.rows:
+            groups.setdefault(self.rows.emitted[r], []).append(r)
+        group_rows = {g: to_device(rs, self.device) for g, rs in groups.items()}
+        scores = torch.empty_like(slot_logits)
+        chosen = torch.full(slot_logits.shape[:2], self.pad, dtype=torch.long, device=self.device)
+        stop_at_ends = stop_at_ends and self.eos_t is not None
+        ended = None if plan.active_t is None else ~plan.active_t  # rows whose history takes pads from here on
+        if stop_at_ends and ended is None:
+            ended = torch.zeros(self.batch, dtype=torch.bool, device=self.device)
+        for s in range(S):
+            if s > 0 and stop_at_ends and bool(ended.all()):  # the rest is never emitted: raw logits, pads
+                scores[:, s:] = slot_logits[:, s:]
+                self.seq.scatter_(1, plan.slot_pos_t[:, s:], self.pad)
+                break
+            for g, rs in group_rows.items():
+                processed = chain(self.seq[:, :P + g + s], slot_logits[:, s].clone())
+                if len(group_rows) == 1:
+                    scores[:, s] = processed
+                else:
+                    scores[rs, s] = processed[rs]
+            tok = choose(scores[:, s], self.do_sample)
+            chosen[:, s] = tok
+            ext = tok if plan.forced_mask_t is None else torch.where(plan.forced_mask_t[:, s], plan.forced_t[:, s], tok)
+            if ended is not None:
+                ext = torch.where(ended, self.pad, ext)
+            self.seq.scatter_(1, plan.slot_pos_t[:, s:s + 1], ext[:, None])
+            if stop_at_ends:
+                ended = ended | torch.isin(ext, self.eos_t) | torch.isin(tok, self.eos_t)
+        return scores, chosen
+
+    def confident(self, scores, chosen, of_distribution):
+        """Whether each slot's confidence clears its row's tau."""
+        tau = self.opts.threshold if self.tau_t is None else self.tau_t
+        return confidence(self.opts.acceptance, chosen, scores, of_distribution=of_distribution) >= tau
+
+    def set_row_taus(self, taus: list) -> None:
+        """A tau per row from the next step on (a row at 1.0 takes exactly the AR token: no masks are read)."""
+        if taus != self.row_tau:
+            self.row_tau = list(taus)
+            self.tau_t = torch.tensor(taus, dtype=torch.float32).view(-1, 1).to(self.device)
+
+    def _decide(self, plan, slot_logits) -> Decision:
+        """Process the candidates, bring each slot's token and flags to the host (the step's one sync) and apply
+        the rules there: threshold mode accepts candidate 0 and then slots while confident; verify accepts the
+        pending drafts AR agrees with plus one AR token and, when all were accepted, proposes the confident mask
+        slots after it as the next drafts. Stops (EOS, then other criteria) cut a run; lockstep evens runs."""
+        b, S, opts = self.batch, plan.max_slots, self.opts
+        scores, chosen = self.process(plan, slot_logits, self.clients.processors)
+        parts, flags = [chosen.view(-1)], not (self.shape.one_token or S == 1)
+        if flags:
+            parts.append(self.confident(scores, chosen, of_distribution=opts.verify or not self.do_sample).view(-1))
+        Dm = max(plan.drafts)
+        sampled = opts.verify and self.do_sample and Dm > 0
+        if opts.verify and self.do_sample:
+            probs = torch.softmax(scores, dim=-1)
+            if sampled:
+                kept, resampled = speculative_sample(probs[:, :Dm], self.q_drafts[:, :Dm], plan.forced_t[:, :Dm])
+                parts += [kept.view(-1), resampled.view(-1)]
+            if plan.q_idx_t is not None:  # the distributions the next drafts are drawn from
+                self.q_drafts = probs.gather(1, plan.q_idx_t[:, :, None].expand(-1, -1, probs.shape[-1]))
+        host = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()
+        ok = host[b * S:2 * b * S] if flags else None
+        kept_at = b * S * (1 + flags)  # then, sampling verify: kept (b x Dm), the residual's tokens (b x Dm)
+        tokens, stopped = [[] for _ in range(b)], [False] * b
+        drafts_next = [[] for _ in range(b)] if opts.verify else None
+        for r in plan.rows:
+            o, n = r * S, plan.slots[r]
+            row = host[o:o + S]
+            conf = ok[o:o + S] if ok is not None else None
+            if opts.verify:
+                pending = self.rows.drafts[r]
+                d = len(pending)
+                kept_r = host[kept_at + r * Dm:kept_at + r * Dm + d] if sampled else None
+                k = verified_drafts(row[:d], pending, kept_r)
+                ar = host[kept_at + b * Dm + r * Dm + k] if (sampled and k < d) else row[k]
+                tokens[r] = pending[:k] + [ar]
+                if k == d and conf is not None:
+                    drafts_next[r] = proposed_drafts(row, conf, d + 1, n)
+            else:
+                tokens[r] = row[:threshold_run(conf, n) if conf is not None else 1]
+            stopped[r] = cut_at_stop(tokens[r], self.clients.eos_ids)
+        if len(self.clients.criteria) > 0:
+            self._apply_criteria(plan, tokens, stopped, scores)
+        if self.lockstep:
+            lockstep(plan.rows, tokens, drafts_next or [[] for _ in range(b)], stopped, plan.drafts)
+        return Decision(tokens, stopped, drafts_next, scores)
+
+    def _apply_criteria(self, plan, tokens, stopped, scores):
+        """Stopping criteria beyond EOS / length, called after each decided token on its AR history (rows grouped
+        by history length; one sync); a run is cut after the first position a criterion stops."""
+        P, b = self.prompt_len, self.batch
+        self._write_history(plan.rows, self.rows.emitted, tokens, [False] * b)
+        longest = max((len(tokens[r]) for r in plan.rows), default=0)
+        groups = {}
+        for r in plan.rows:
+            groups.setdefault(self.rows.emitted[r], []).append(r)
+        hits = []
+        for i in range(1, longest + 1):
+            for g in groups:
+                hit = self.clients.criteria(self.seq[:, :P + g + i], (scores[:, i - 1],) if self.output_scores else None)
+                hits.append(torch.as_tensor(hit, device=self.device).expand(b))
+        host = torch.stack(hits).view(longest, len(groups), b).tolist() if hits else []
+        for j, (g, rs) in enumerate(groups.items()):
+            for r in rs:
+                if cut_at_stop(tokens[r], [host[i][j][r] for i in range(len(tokens[r]))]):
+                    stopped[r] = True
+
+    # ---------------------------------------------------------------- after the decision
+    def _roll_back(self, plan, col_real, accepted, finished) -> int:
+        """Drop the masks' (and rejected drafts') cache entries; returns how many columns of the chunk stay.
+
+        Block cache inside a chunk: everything fed is dropped (back to the frozen prefix). Verify: rejected
+        drafts every row shares are cropped; the rest stay, masked out in the 2D attention mask."""
+        b, width = self.batch, plan.width
+        keep_cols = width - max(plan.masks)  # the masks are the last columns whenever anything is kept
+        leftover = False
+        if self.shape.block and not plan.first and not self.rows.chunk_start:
+            drop, keep_cols = width, 0
+        elif self.opts.verify and not plan.first:
+            # rejected drafts sit at the right end of each row's kept columns: crop what every row rejected
+            rejected = [plan.drafts[r] - (accepted[r] - 1) for r in plan.rows if not finished[r]]
+            extra = max(0, min(min(rejected) if rejected else 0, keep_cols))
+            leftover = any(x > extra for x in rejected)
+            drop = width - keep_cols + extra
+            keep_cols -= extra
+        else:
+            drop = width - keep_cols
+        kept_real = None if col_real is None else col_real[:, :keep_cols]
+        if keep_cols and leftover:  # (batches only) a draft column stays real only if its draft was accepted: the
+            # row's committed tokens and acc - 1 drafts, counted from its first real column (host-known)
+            kept = []
+            for r in range(b):
+                first = width - plan.lens[r]
+                lo = 0 if col_real is None else min(first, keep_cols)
+                hi = max(lo, min(first + plan.uncached[r] + accepted[r] - 1, keep_cols))
+                kept += [0] * lo + [1] * (hi - lo) + [0] * (keep_cols - hi)
+            kept_real = to_device(kept, self.device).view(b, keep_cols)
+        self.cache.roll_back(drop, kept_real, keep_cols, self.device)
+        return keep_cols
+
+    def _commit(self, plan, keep_cols, decision, finished):
+        """Advance the per-row state on the host; finished rows read as pads from here on (like AR's)."""
+        rows, verify = self.rows, self.opts.verify
+        starts, runs = list(rows.emitted), []
+        for r in range(self.batch):
+            a = len(decision.tokens[r])
+            rows.tokens[r] += decision.tokens[r]
+            if verify:
+                rows.drafts[r] = [] if finished[r] else decision.drafts[r]
+            if keep_cols and rows.unfinished[r]:
+                if plan.first:
+                    rows.fed[r] = 0
+                else:  # verify: accepted drafts are cached, the AR token not
+                    rows.fed[r] = rows.emitted[r] + (max(a - 1, 0) if verify else 0)
+            runs.append((rows.emitted[r], a))
+            rows.emitted[r] += a
+            rows.in_chunk[r] += a
+            if finished[r]:
+                rows.unfinished[r] = False
+        if self.reads_history:
+            self._write_history(plan.rows, starts, decision.tokens, finished)
+        if self.shape.block:
+            self._start_chunk_if_filled()
+        if self.streamer is not None and self.clients.lagging is None:  # (lagging criteria: streamed once checked)
+            self._stream(runs)
+
+    def _write_history(self, rows, starts, tokens, finished):
+        """Put the decided tokens into `seq` after each row's history (``starts``: its length before them), for
+        processors and criteria to read; a finished row's speculative slots after them become pads. One
+        host->device copy."""
+        P, S, idx = self.prompt_len, self.shape.candidates * 2 + 1, ([], [], [])
+        for r in rows:
+            start = P + starts[r]
+            values = list(tokens[r]) + ([self.pad] * S if finished[r] else [])
+            values = values[:max(self.buf_len - start, 0)]
+            idx[0].extend([r] * len(values))
+            idx[1].extend(range(start, start + len(values)))
+            idx[2].extend(values)
+        if idx[2]:
+            r_t, c_t, v_t = to_device(idx[0] + idx[1] + idx[2], self.device).view(3, -1)
+            self.seq[r_t, c_t] = v_t
+
+    def _start_chunk_if_filled(self):
+        """Block cache: a new chunk starts once every row still decoding has filled the current one."""
+        rows = self.rows
+        rows.chunk_start = all((not rows.unfinished[r]) or rows.in_chunk[r] >= self.shape.chunk
+                               for r in range(self.batch))
+        if rows.chunk_start:
+            rows.in_chunk = [0] * self.batch
+
+    def _check_lagging(self):
+        """Stateful stopping criteria (no stateful processor): AR's calls, made behind the rows instead of holding
+        them in lockstep. The call for position t comes once every row still decoding has reached t, on the batch's
+        AR history there (pads after a row that ended before t); a row that ran past a stop it is told of now is
+        cut back to it, as AR would have stopped it. Tokens are streamed only once checked."""
+        b, P, rows = self.batch, self.prompt_len, self.rows
+        while True:
+            going = [rows.emitted[r] for r in range(b) if rows.unfinished[r]]
+            t = rows.checked + 1
+            if t > (min(going) if going else max(rows.emitted)):
+                break
+            hit = torch.as_tensor(self.clients.lagging(self.seq[:, :P + t], None), device=self.device).expand(b)
+            for r, stops in enumerate(hit.tolist()):
+                if stops and rows.emitted[r] >= t:  # the row has a token at t: it ends there
+                    if rows.emitted[r] > t:
+                        self.seq[r, P + t:self.buf_len] = self.pad
+                        rows.emitted[r] = t
+                        del rows.tokens[r][t:]
+                    rows.unfinished[r], rows.drafts[r] = False, []
+            rows.checked = t
+        if self.shape.block and not rows.chunk_start:  # a cut row no longer holds the others' chunk open
+            self._start_chunk_if_filled()
+        if self.streamer is not None:
+            runs = [(rows.streamed[r], max(min(rows.emitted[r], rows.checked) - rows.streamed[r], 0))
+                    for r in range(b)]
+            rows.streamed = [start + a for start, a in runs]
+            self._stream(runs)
+
+    def _stream(self, runs):
+        """The tokens each row emitted this step, to the streamer (CPU tensors, as generate hands them)."""
+        new = [torch.tensor(self.rows.tokens[r][start:start + a], dtype=torch.long)
+               for r, (start, a) in enumerate(runs)]
+        if self.batch == 1:
+            if runs[0][1]:
+                self.streamer.put(new[0])
+            return
+        width = max(a for _, a in runs)
+        if width == 0:
+            return
+        if hasattr(self.streamer, "put_rows"):  # a batch-aware streamer gets each row's own new tokens (maybe none)
+            self.streamer.put_rows(new)
+            return
+        block = torch.full((self.batch, width), self.pad, dtype=torch.long)
+        for r, row in enumerate(new):
+            block[r, :row.shape[0]] = row
+        self.streamer.put(block)
+
+    # ---------------------------------------------------------------- results
+    def run(self, synced: bool = False):
+        """Step until every row has finished. ``synced`` (parameters sharded across ranks): every rank forwards in
+        lockstep until all ranks are done, a finished rank running a throwaway forward, as transformers does."""
+        rows = self.rows
+        if self.max_new <= 0:
+            rows.unfinished = [False] * self.batch
+            if not synced:
+                return self.seq[:, :self.prompt_len]
+        with torch.no_grad():
+            while True:
+                if synced:
+                    finished_ranks = torch.tensor(0.0 if any(rows.unfinished) else 1.0, device=self.device)
+                    torch.distributed.all_reduce(finished_ranks)
+                    if int(finished_ranks.item()) == torch.distributed.get_world_size():
+                        break
+                    if not any(rows.unfinished):
+                        self.model_forward(input_ids=self.seq[:, :1], use_cache=False)  # keep the shards moving
+                        continue
+                if not self.step() and not synced:
+                    break
+        T = max(rows.emitted)
+        if T:  # the emitted tokens into `seq`, pad-filled after each row's end
+            self.seq[:, self.prompt_len:self.prompt_len + T] = to_device(
+                [row + [self.pad] * (T - len(row)) for row in rows.tokens], self.device)
+        return self.seq[:, :self.prompt_len + T]
+
+    def assemble(self, which):
+        """One (b, V) tensor per emitted position, from the per-step records (0: scores, 1: logits)."""
+        if not self.records:
+            return None
+        T = max(self.rows.emitted)
+        if T == 0:
+            return ()
+        V, per_row = None, [[] for _ in range(self.batch)]
+        for rec in self.records:
+            tensor = rec[which]
+            if tensor is None:
+                return None
+            V = tensor.shape[-1]
+            for r, a in enumerate(rec[2]):
+                if a > 0:
+                    per_row[r].append(tensor[r, :a])
+        # positions after a row finished hold a distribution certain of the pad token (the token the sequence
+        # holds there), like plain generate's finite scores: transition scores are 0 there, never NaN
+        out = torch.full((self.batch, T, V), -math.inf, device=self.device)
+        out[:, :, self.pad] = 0.0
+        for r in range(self.batch):
+            if per_row[r]:
+                kept = torch.cat(per_row[r])[: self.rows.emitted[r]]
+                out[r, :kept.shape[0]] = kept
+        return tuple(out.unbind(1))

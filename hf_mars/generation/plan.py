@@ -1,0 +1,158 @@
+"""A step's plan: per row, what the chunk feeds (uncached committed tokens, pending drafts, masks) and which
+candidate slots it may accept; then the chunk itself, right-aligned, laid out on the host and sent in one copy.
+
+Batched rows accept different counts: each step every row's uncached tokens sit right-aligned in the chunk
+(left-padded; pads stay masked in the 2D attention mask) and position ids follow each row's real-token count, so
+the masks occupy the same columns in every row and one ``cache.crop`` drops them for all rows.
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+
+import torch
+
+
+def to_device(values, device, dtype=torch.long):
+    """Host values as a device tensor without a synchronising copy (pinned memory, non-blocking on GPU). A flat
+    list of ints goes through an int64 array (torch.tensor reads a list element by element: 3x slower)."""
+    if dtype is torch.long and values and not isinstance(values[0], list):
+        t = torch.frombuffer(array.array("q", values), dtype=torch.long)
+    else:
+        t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t if device.type == "cpu" else t.to(device)
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """What one step feeds and may accept, per row (python lists), and the device tensors laid out from it."""
+
+    first: bool  # the prefill step: the prompt is not in the cache yet
+    active: list  # rows that may accept tokens (unfinished, and not waiting for the block cache's chunk)
+    uncached: list  # committed tokens not in the cache yet, fed first
+    drafts: list  # verify mode: pending drafts, fed after them
+    masks: list  # mask tokens, fed last
+    slots: list  # candidate slots the row may accept from
+    rows: list = dataclasses.field(default_factory=list)  # indices of the active rows
+    lens: list = dataclasses.field(default_factory=list)  # real columns per row
+    max_slots: int = 0
+    logits_kept: int = 0  # logits kept from the end of the chunk: from candidate 0 (before drafts and masks) on
+    uniform: bool = False  # every active row has the same drafts and masks: its slots are a plain slice
+    width: int = 0  # columns of the chunk
+    input_ids: torch.Tensor | None = None  # the chunk (decode steps)
+    pos_t: torch.Tensor | None = None  # batches: position ids of the chunk
+    real_t: torch.Tensor | None = None  # batches: 1 where a chunk column is real, 0 where it is left padding
+    slot_col_t: torch.Tensor | None = None  # rows of different layouts: the logits column each slot reads
+    # slot by slot processing (processors or criteria read the history kept in `seq`):
+    slot_pos_t: torch.Tensor | None = None  # where each candidate slot's token goes in `seq`
+    active_t: torch.Tensor | None = None  # which rows may accept (None: all)
+    forced_t: torch.Tensor | None = None  # verify: the pending draft at each slot (pad past them)
+    forced_mask_t: torch.Tensor | None = None  # ... and which slots hold one
+    q_idx_t: torch.Tensor | None = None  # verify sampling: the slots each row's next drafts are read from
+
+
+def plan_step(dec) -> StepPlan:
+    """Per-row counts for this step (python lists; cheap for any realistic batch)."""
+    b, opts, rows, shape = dec.batch, dec.opts, dec.rows, dec.shape
+    # a row at tau >= 1 reads candidate 0 only; masks are fed unless every row is such a row (the masks must
+    # occupy the same last columns in every row, so that one crop drops them all)
+    one_token = [shape.one_token or (dec.row_tau is not None and dec.row_tau[r] >= 1.0) for r in range(b)]
+    no_masks = all(one_token[r] for r in range(b) if rows.unfinished[r]) and not shape.block and not opts.verify
+    plan = StepPlan(first=rows.fed[0] == -dec.prompt_len, active=[False] * b, uncached=[0] * b, drafts=[0] * b,
+                    masks=[0] * b, slots=[0] * b)
+    for r in range(b):
+        if not rows.unfinished[r] or (shape.block and not rows.chunk_start and rows.in_chunk[r] >= shape.chunk):
+            continue  # finished, or waiting for the slowest row to fill the block cache's chunk
+        plan.active[r] = True
+        remaining = rows.limit[r] - rows.emitted[r]
+        max_accept = opts.max_accept or rows.limit[r]
+        plan.uncached[r] = rows.emitted[r] - rows.fed[r]
+        if opts.cache == "block":
+            plan.masks[r] = shape.chunk - rows.in_chunk[r]
+        else:
+            # candidates read masks 1..K-1 only, and under causal attention a later mask changes nothing before
+            # it: feed K-1 masks (B-1 by default; none in one-token mode, an exact AR step)
+            plan.masks[r] = 0 if no_masks else shape.candidates - 1
+        if opts.verify:
+            plan.drafts[r] = len(rows.drafts[r])
+            # new drafts + the AR token must fit the length limit and the per-step cap
+            new_drafts = 0 if one_token[r] else min(shape.max_drafts, max(0, remaining - plan.drafts[r] - 2),
+                                                 max_accept - 1)
+            plan.slots[r] = plan.drafts[r] + 1 + new_drafts
+        else:
+            slots = 1 if one_token[r] else 1 + min(shape.candidates - 1, plan.masks[r])
+            if shape.block:
+                slots = min(slots, shape.chunk - rows.in_chunk[r])
+            plan.slots[r] = min(slots, remaining, max_accept)
+    plan.rows = [r for r in range(b) if plan.active[r]]
+    if shape.fixed_width and not plan.first:  # compiled steps: pad with masks to the one width
+        for r in plan.rows:
+            plan.masks[r] = shape.fixed_width - plan.uncached[r] - plan.drafts[r]
+    plan.lens = [plan.uncached[r] + plan.drafts[r] + plan.masks[r] for r in range(b)]
+    plan.max_slots = max(plan.slots)
+    plan.logits_kept = max(plan.masks[r] + plan.drafts[r] + 1 for r in plan.rows)
+    if shape.fixed_width and not plan.first:
+        plan.logits_kept = shape.fixed_width
+    plan.uniform = len({(plan.masks[r], plan.drafts[r]) for r in plan.rows}) == 1
+    plan.width = max(plan.lens)
+    lay_out(dec, plan)
+    return plan
+
+
+def lay_out(dec, plan) -> None:
+    """Every per-row value a step needs on the device, laid out on the host and sent in one host->device copy:
+    the chunk itself, ragged rows' logits columns and, when processors or criteria read the history, where each
+    slot's token goes. Building these on the device took a dozen small ops per piece, each a kernel launch."""
+    b, opts, rows, P = dec.batch, dec.opts, dec.rows, dec.prompt_len
+    W, S, kept = plan.width, plan.max_slots, plan.logits_kept
+    flat, sizes, names = [], [], []
+
+    def add(name, values):
+        flat.extend(values)
+        sizes.append(len(values))
+        names.append(name)
+
+    if not plan.first:  # the chunk, right-aligned: [pad | committed + drafts | masks]
+        src, pos, real = [], [], []
+        for r in range(b):
+            n, u, d, f, left = plan.lens[r], plan.uncached[r], plan.drafts[r], rows.fed[r], W - plan.lens[r]
+            src += [dec.pad] * left + rows.tokens[r][f:f + u] + rows.drafts[r][:d]
+            src += [dec.mask_token_id] * (n - u - d)
+            p0 = dec.prompt_real_host[r] + f
+            pos += [0] * left + list(range(p0, p0 + n))
+            real += [0] * left + [1] * n
+        add("input_ids", src)
+        if b > 1:
+            add("pos_t", pos)
+            add("real_t", real)
+    if not plan.uniform:  # rows of different layouts: which logits column each slot reads
+        cols = []
+        for r in range(b):
+            c0 = kept - (plan.masks[r] + plan.drafts[r] + 1) if plan.active[r] else 0
+            cols += [min(c0 + s, kept - 1) for s in range(S)]
+        add("slot_col_t", cols)
+    if dec.reads_history:
+        add("slot_pos_t", [P + rows.emitted[r] + s for r in range(b) for s in range(S)])
+        if not all(plan.active):
+            add("active_t", plan.active)
+    if (dec.reads_history or dec.do_sample) and opts.verify and max(plan.drafts) > 0:
+        add("forced_t", [rows.drafts[r][s] if s < plan.drafts[r] else dec.pad for r in range(b) for s in range(S)])
+        add("forced_mask_t", [int(s < plan.drafts[r]) for r in range(b) for s in range(S)])
+    M = dec.shape.max_drafts
+    if opts.verify and dec.do_sample and M > 0 and S > max(plan.drafts) + 1:
+        add("q_idx_t", [min(plan.drafts[r] + 1 + j, S - 1) for r in range(b) for j in range(M)])
+    if not flat:
+        return
+    for name, part in zip(names, to_device(flat, dec.device).split(sizes)):
+        if name in ("input_ids", "pos_t", "real_t"):
+            part = part.view(b, W)
+        elif name == "active_t":
+            part = part.bool()
+        elif name == "q_idx_t":
+            part = part.view(b, M)
+        else:
+            part = part.view(b, S)
+        setattr(plan, name, part.bool() if name == "forced_mask_t" else part)

@@ -1,0 +1,141 @@
+"""Rows that come and go (`MARSEngine`): a request joins the running batch between steps and leaves when done.
+
+The contract: each row decodes exactly what it decodes alone (tau = 1 and verify: plain greedy), whichever step it
+joined at, whoever left before it, at its own tau; rows that cannot share a batch step beside it, on their own.
+"""
+
+import pytest
+from transformers import GenerationConfig
+
+from hf_mars.generation import enable_mars
+from hf_mars.generation.engine import MARSEngine
+
+PROMPTS = ["hello world", "a", "the quick brown fox", "xy", "zzz top", "b c d"]
+
+
+@pytest.fixture
+def peaky(make_model):
+    model, tok = make_model(seed=1, initializer_range=0.5)
+    enable_mars(model)
+    return model, tok
+
+
+def _gc(tok, max_new, **kw):
+    return GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=kw.pop("eos_token_id", None),
+                            pad_token_id=tok.pad_token_id, **kw)
+
+
+def _alone(model, tok, prompt, max_new, **kw):
+    """The row decoded by its own generate call, with the same generation config."""
+    enc = tok([prompt], return_tensors="pt")
+    gc_kw = {k: kw.pop(k) for k in ("eos_token_id", "repetition_penalty") if k in kw}
+    out = model.generate(**enc, generation_config=_gc(tok, max_new, **gc_kw), **kw)
+    return out[0, enc.input_ids.shape[1]:].tolist()
+
+
+def _drive(engine, tok, arrivals, default_tau, **mars_args):
+    """Add each (step, prompt, max_new, tau) when the engine reaches that step; run until every row is done."""
+    got, done, step = {}, set(), 0
+    pending = sorted(arrivals, key=lambda a: a[0])
+    while pending or len(engine):
+        while pending and pending[0][0] <= step:
+            _, prompt, max_new, tau = pending.pop(0)
+            ids = tok([prompt], return_tensors="pt").input_ids[0].tolist()
+            events = engine.add(prompt, ids, _gc(tok, max_new), tau, **mars_args)
+            _collect(events, got, done)
+        if len(engine):
+            _collect(engine.step(default_tau), got, done)
+        step += 1
+    assert done == {a[1] for a in arrivals}
+    return got
+
+
+def _collect(events, got, done):
+    for handle, tokens, finished, _ in events:
+        assert handle not in done, "no tokens after a row finished"
+        got.setdefault(handle, []).extend(tokens)
+        if finished:
+            done.add(handle)
+
+
+@pytest.mark.parametrize("mode", [dict(), dict(mars_verify=True)], ids=["threshold", "verify"])
+def test_rows_joining_between_steps_decode_what_they_decode_alone(peaky, mode):
+    model, tok = peaky
+    arrivals = [(0, PROMPTS[0], 24, None), (0, PROMPTS[1], 6, None), (2, PROMPTS[2], 16, None),
+                (3, PROMPTS[3], 30, 1.0), (7, PROMPTS[4], 12, None), (8, PROMPTS[5], 3, 0.2)]
+    engine = MARSEngine(model)
+    got = _drive(engine, tok, arrivals, default_tau=0.5 if not mode else 0.3, **mode)
+    for _, prompt, max_new, tau in arrivals:
+        tau = tau if tau is not None else (0.5 if not mode else 0.3)
+        expected = _alone(model, tok, prompt, max_new, mars_threshold=tau, **mode)
+        assert got[prompt] == expected, prompt
+        if tau >= 1.0 or mode:  # exactly plain greedy
+            assert got[prompt] == _alone(model, tok, prompt, max_new)
+    assert engine.batch is None and not engine.solo  # everyone left
+
+
+def test_a_short_request_finishes_before_a_long_one_that_came_first(peaky):
+    model, tok = peaky
+    engine = MARSEngine(model)
+    finished_at = {}
+    long_ids = tok([PROMPTS[2]], return_tensors="pt").input_ids[0].tolist()
+    engine.add("long", long_ids, _gc(tok, 200), 1.0)
+    step = 0
+    while len(engine):
+        if step == 3:
+            engine.add("short", tok([PROMPTS[1]], return_tensors="pt").input_ids[0].tolist(), _gc(tok, 5), 1.0)
+        for handle, _, finished, _ in engine.step(1.0):
+            if finished:
+                finished_at[handle] = step
+        step += 1
+    assert finished_at["short"] < finished_at["long"] and finished_at["short"] <= 3 + 5
+
+
+def test_cancelled_rows_leave_and_the_others_are_unchanged(peaky):
+    model, tok = peaky
+    engine = MARSEngine(model)
+    got, done = {}, set()
+    for p in PROMPTS[:4]:
+        _collect(engine.add(p, tok([p], return_tensors="pt").input_ids[0].tolist(), _gc(tok, 20), 0.5), got, done)
+    step = 0
+    while len(engine):
+        if step == 2:
+            engine.cancel([PROMPTS[0], PROMPTS[2]])
+            assert [r.handle for r in engine.batch_rows] == [PROMPTS[1], PROMPTS[3]]
+        _collect(engine.step(0.5), got, done)
+        step += 1
+    for p in (PROMPTS[1], PROMPTS[3]):
+        assert got[p] == _alone(model, tok, p, 20, mars_threshold=0.5)
+    assert engine.batch is None
+
+
+def test_rows_that_read_the_history_decode_beside_the_batch(peaky):
+    """A repetition penalty reads each row's history: such a row steps on its own, round-robin with the batch."""
+    model, tok = peaky
+    engine = MARSEngine(model)
+    got, done = {}, set()
+    plain = tok([PROMPTS[0]], return_tensors="pt").input_ids[0].tolist()
+    penal = tok([PROMPTS[2]], return_tensors="pt").input_ids[0].tolist()
+    _collect(engine.add("plain", plain, _gc(tok, 16), 0.5), got, done)
+    _collect(engine.add("penalised", penal, _gc(tok, 16, repetition_penalty=1.3), 0.5), got, done)
+    assert len(engine.solo) == 1 and engine.batch is not None
+    while len(engine):
+        _collect(engine.step(0.5), got, done)
+    assert got["plain"] == _alone(model, tok, PROMPTS[0], 16, mars_threshold=0.5)
+    assert got["penalised"] == _alone(model, tok, PROMPTS[2], 16, mars_threshold=0.5, repetition_penalty=1.3)
+
+
+def test_eos_ends_a_row_in_the_middle_of_the_batch(peaky):
+    model, tok = peaky
+    free = _alone(model, tok, PROMPTS[0], 12, mars_threshold=0.5)
+    eos = next(t for i, t in enumerate(free) if i >= 3 and t not in free[:i])  # ends the first row mid-answer
+    engine = MARSEngine(model)
+    got, done = {}, set()
+    for p in PROMPTS[:3]:
+        ids = tok([p], return_tensors="pt").input_ids[0].tolist()
+        _collect(engine.add(p, ids, _gc(tok, 12, eos_token_id=eos), 0.5), got, done)
+    while len(engine):
+        _collect(engine.step(0.5), got, done)
+    for p in PROMPTS[:3]:
+        assert got[p] == _alone(model, tok, p, 12, mars_threshold=0.5, eos_token_id=eos)
+    assert got[PROMPTS[0]][-1] == eos and got[PROMPTS[0]].count(eos) == 1 and len(got[PROMPTS[0]]) < 12
