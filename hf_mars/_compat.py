@@ -2,7 +2,7 @@
 
 Each accessor says what it reads and why no public API does the job, and a test checks each one against the
 installed versions (`tests/test_compat.py`; the `transformers serve` part, below, `tests/test_serve_contract.py`),
-so an upgrade that moves one fails loudly there instead of silently elsewhere. (`hf_mars/generation.py` ships
+so an upgrade that moves one fails loudly there instead of silently elsewhere. (`hf_mars/generation/` ships
 standalone inside checkpoints, so it cannot import this module.)
 """
 

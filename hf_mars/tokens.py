@@ -15,7 +15,7 @@ MARS_CONFIG_KEY = "mars"
 
 def get_mars_metadata(config) -> dict | None:
     """Return the ``config.mars`` dict (or None when the model was never prepared for MARS)."""
-    # the one reader (generation.py also ships standalone)
+    # the one reader (hf_mars/generation/ also ships standalone)
     from .generation import read_mars_metadata
 
     return read_mars_metadata(config) or None
