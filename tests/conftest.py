@@ -43,3 +43,31 @@ def make_model():
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def modules_cache(tmp_path):
+    """A private HF_MODULES_CACHE for the code ``trust_remote_code`` copies (a checkpoint's custom_generate/).
+
+    A checkpoint's generate.py imports its sibling modules relatively, so the ``transformers_modules`` package
+    must be importable from this cache: the constant, the import path and ``sys.modules`` all point here for
+    the test, and are put back after it (patching the constant alone leaves ``transformers_modules`` bound to
+    whichever cache was imported first in the process)."""
+    import sys
+
+    import transformers.dynamic_module_utils as dmu
+
+    cache = tmp_path / "modules"
+    ours = lambda: [m for m in sys.modules if m == "transformers_modules" or m.startswith("transformers_modules.")]  # noqa: E731
+    saved = {m: sys.modules.pop(m) for m in ours()}
+    old_cache, old_path = dmu.HF_MODULES_CACHE, list(sys.path)
+    dmu.HF_MODULES_CACHE = str(cache)
+    sys.path.insert(0, str(cache))
+    try:
+        yield cache
+    finally:
+        for m in ours():
+            del sys.modules[m]
+        sys.modules.update(saved)
+        dmu.HF_MODULES_CACHE = old_cache
+        sys.path[:] = old_path

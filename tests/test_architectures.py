@@ -122,8 +122,7 @@ def test_decoding_equivalences(arch, tok):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_hub_custom_generate_decodes_identically(arch, tok, tmp_path, monkeypatch):
-    monkeypatch.setattr("transformers.dynamic_module_utils.HF_MODULES_CACHE", str(tmp_path / "modules"))
+def test_hub_custom_generate_decodes_identically(arch, tok, tmp_path, modules_cache):
     model = enable_mars(build(arch, tok))
     set_mars_metadata(model.config, block_size=4, trained_steps=1)
     folder = save_for_hub(model, tok, tmp_path / "ckpt")

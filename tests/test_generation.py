@@ -534,7 +534,7 @@ def test_defaults_from_generation_config(peaky):
 
 
 @pytest.mark.parametrize("route", ["from_pretrained", "custom_generate_dir"])
-def test_loaded_as_custom_generate(peaky, tmp_path, route):
+def test_loaded_as_custom_generate(peaky, tmp_path, route, modules_cache):
     model, tok = peaky
     model.save_pretrained(tmp_path)
     write_custom_generate(tmp_path)  # the package's modules, as a checkpoint ships them

@@ -501,10 +501,8 @@ def test_pipeline_with_mars_args(loaded):
 # --------------------------------------------------------------------------- MARSTrainer checkpoints
 
 
-def test_trainer_checkpoints_are_hub_ready(trained, tmp_path, monkeypatch):
+def test_trainer_checkpoints_are_hub_ready(trained, tmp_path, modules_cache):
     """Every folder MARSTrainer saves (checkpoint-N and save_model) is a complete MARS Hub checkpoint."""
-    # trust_remote_code copies custom_generate/ into HF_MODULES_CACHE: keep it out of the user's cache
-    monkeypatch.setattr("transformers.dynamic_module_utils.HF_MODULES_CACHE", str(tmp_path / "modules"))
     from huggingface_hub import ModelCard
     from transformers import AutoModelForCausalLM
 
@@ -512,7 +510,8 @@ def test_trainer_checkpoints_are_hub_ready(trained, tmp_path, monkeypatch):
     for folder in (out / "checkpoint-1", out / "checkpoint-2", out):
         mars = hub.check_checkpoint(folder, for_push=True)
         assert mars["block_size"] == BLOCK and mars["mask_token_id"] == tok.mask_token_id
-        assert (folder / "custom_generate/generate.py").read_bytes() == hub.generation_module_path().read_bytes()
+        for module in hub.generation_package_files():
+            assert (folder / "custom_generate" / module.name).read_bytes() == module.read_bytes()
         card = ModelCard.load(folder / "README.md")
         assert {"mars", "custom_generate"} <= set(card.data.tags)
         assert "| learning rate | 0.001 |" in card.text and "| max steps | 2 |" in card.text
@@ -529,12 +528,11 @@ def test_trainer_checkpoints_are_hub_ready(trained, tmp_path, monkeypatch):
                                                mars_threshold=1.0), greedy)
 
 
-def test_card_usage_snippets_run(saved, tmp_path, monkeypatch):
+def test_card_usage_snippets_run(saved, tmp_path, monkeypatch, modules_cache):
     """The card's usage code is valid Python whatever the prompt holds, and its MARS snippets run as written."""
     import ast
     import re
 
-    monkeypatch.setattr("transformers.dynamic_module_utils.HF_MODULES_CACHE", str(tmp_path / "modules"))
     model, tok, _ = saved
     folder = save_for_hub(model, tok, tmp_path / "c", repo_id=REPO_ID, example_prompt='Say "hi"\nthen {stop}')
     text = (folder / "README.md").read_text()

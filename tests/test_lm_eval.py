@@ -54,12 +54,11 @@ def _task_dir(tmp_path):
     return task_dir
 
 
-def test_lm_eval_hf_backend_uses_mars(tmp_path, monkeypatch):
+def test_lm_eval_hf_backend_uses_mars(tmp_path, monkeypatch, modules_cache):
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    monkeypatch.setattr("transformers.dynamic_module_utils.HF_MODULES_CACHE", str(tmp_path / "modules"))
     monkeypatch.setattr("datasets.config.HF_DATASETS_CACHE", tmp_path / "datasets")  # the task's json cache
     tok = build_char_tokenizer()
     model = tiny_qwen2(tok, seed=1, hidden_size=32)

@@ -251,7 +251,7 @@ def test_python_block(line_no, text, request, monkeypatch, capsys):
     work = stand_ins["tmp"] / f"block-{line_no}"
     shutil.copytree(stand_ins["reader"], work)
     monkeypatch.chdir(work)
-    monkeypatch.setattr("transformers.dynamic_module_utils.HF_MODULES_CACHE", str(work / ".modules"))
+    request.getfixturevalue("modules_cache")  # remote code (custom_generate/) copied under tmp_path
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     if "load_dataset" in source:
         monkeypatch.setattr("datasets.config.HF_DATASETS_CACHE", work / ".datasets")
