@@ -109,7 +109,9 @@ class MARSDecoder:
         self.suppress_t = torch.tensor(self.clients.suppress, dtype=torch.long, device=self.device)
         self.eos_t = (torch.tensor(sorted(set(self.clients.eos_ids)), dtype=torch.long, device=self.device)
                       if self.clients.eos_ids else None)
-        max_length = self.clients.max_length or generation_config.max_length
+        max_length = self.clients.max_length
+        if max_length is None:
+            max_length = generation_config.max_length
         if max_length is None:
             raise ValueError("MARS decoding needs a length limit: pass max_new_tokens or max_length.")
         self.max_new = int(max_length) - P
