@@ -24,6 +24,8 @@ import json
 import sys
 from pathlib import Path
 
+# the MARS defaults a checkpoint's generation_config.json carries: hf_mars.generation.config owns them
+from .generation.config import DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD  # noqa: F401
 from .model_card import (  # noqa: F401  (CARD_FIELDS, CARD_TAGS and build_model_card stay importable from here)
     CARD_FIELDS,
     CARD_TAGS,
@@ -35,8 +37,6 @@ from .model_card import (  # noqa: F401  (CARD_FIELDS, CARD_TAGS and build_model
 
 CUSTOM_GENERATE_DIR = "custom_generate"
 GENERATION_MODULE = "hf_mars.generation"
-DEFAULT_THRESHOLD = 0.95  # the paper's multi-token setting; 1.0 is exact AR greedy
-DEFAULT_BLOCK_SIZE = 4
 DEFAULT_COMMIT_MESSAGE = "Upload MARS checkpoint"
 # Floors for custom_generate/requirements.txt when hf-mars' own metadata is not available.
 _FALLBACK_FLOORS = {"transformers": "transformers>=5.17.0", "torch": "torch>=2.4"}

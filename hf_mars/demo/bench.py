@@ -48,9 +48,12 @@ from hf_mars.demo.timing import (  # noqa: F401  (the timing harness stays impor
     measure_step_costs,
     time_interleaved,
 )
-from hf_mars.generation import DEFAULT_VERIFY_THRESHOLD
+from hf_mars.generation import (
+    CACHE_MODES,
+    DEFAULT_CACHE_BLOCK,
+    DEFAULT_VERIFY_THRESHOLD,
+)
 
-CACHE_MODES = ("sliding", "block", "block_trained")  # mars_cache values of hf_mars.generation
 
 def _eos_ids(model) -> list[int]:
     eos = getattr(model.generation_config, "eos_token_id", None)
@@ -185,7 +188,7 @@ def resolve_block_size(model, block_size=None) -> int:
 
 def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 0.9), batch_sizes=(1, 4, 16),
                          caches=("sliding", "block"), verify_thresholds=(DEFAULT_VERIFY_THRESHOLD,), max_new_tokens=64, block_size=None,
-                         cache_block=16, num_prompts=16, repeats=3, warmup=1, num_threads=None, cost_repeats=30,
+                         cache_block=DEFAULT_CACHE_BLOCK, num_prompts=16, repeats=3, warmup=1, num_threads=None, cost_repeats=30,
                          chat_template=None, progress=True, log=None, peers=("prompt_lookup",)) -> dict:
     """Benchmark MARS decoding against plain greedy `generate` (KV cache) on one model, in one process.
 
@@ -525,7 +528,7 @@ def add_arguments(parser):
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=None, help="MARS B (default: the checkpoint's).")
-    parser.add_argument("--cache-block", type=int, default=16, help="Block cache chunk (mars_cache_block).")
+    parser.add_argument("--cache-block", type=int, default=DEFAULT_CACHE_BLOCK, help="Block cache chunk (mars_cache_block).")
     parser.add_argument("--repeats", type=int, default=3, help="Timed repeats; the median is reported.")
     parser.add_argument("--warmup", type=int, default=1, help="Untimed warm-up generates per configuration.")
     parser.add_argument("--cost-repeats", type=int, default=30,
