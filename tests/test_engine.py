@@ -5,6 +5,7 @@ joined at, whoever left before it, at its own tau; rows that cannot share a batc
 """
 
 import pytest
+import torch
 from transformers import GenerationConfig
 
 from hf_mars.generation import enable_mars
@@ -21,7 +22,8 @@ def peaky(make_model):
 
 
 def _gc(tok, max_new, **kw):
-    return GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=kw.pop("eos_token_id", None),
+    kw.setdefault("do_sample", False)
+    return GenerationConfig(max_new_tokens=max_new, eos_token_id=kw.pop("eos_token_id", None),
                             pad_token_id=tok.pad_token_id, **kw)
 
 
@@ -139,3 +141,34 @@ def test_eos_ends_a_row_in_the_middle_of_the_batch(peaky):
     for p in PROMPTS[:3]:
         assert got[p] == _alone(model, tok, p, 12, mars_threshold=0.5, eos_token_id=eos)
     assert got[PROMPTS[0]][-1] == eos and got[PROMPTS[0]].count(eos) == 1 and len(got[PROMPTS[0]]) < 12
+
+
+@pytest.mark.parametrize("mode", [dict(), dict(mars_verify=True)], ids=["threshold", "verify"])
+def test_sampling_rows_join_and_leave(peaky, mode):
+    """Sampling rows (verify: speculative sampling, with the drafts' distributions carried through merges and
+    departures) join at different steps: every row ends within its limit, the mask token is never emitted, and a
+    seed reproduces the whole run."""
+    model, tok = peaky
+    mask = model.config.mars["mask_token_id"]
+
+    def run():
+        torch.manual_seed(0)
+        engine = MARSEngine(model)
+        got, done, step, limits = {}, set(), 0, {}
+        arrivals = [(2 * i, p, 10 + 3 * i) for i, p in enumerate(PROMPTS)]  # one joins every other step
+        while arrivals or len(engine):
+            while arrivals and arrivals[0][0] <= step:
+                _, prompt, max_new = arrivals.pop(0)
+                limits[prompt] = max_new
+                ids = tok([prompt], return_tensors="pt").input_ids[0].tolist()
+                gc = _gc(tok, max_new, do_sample=True, temperature=0.9, top_k=20)
+                _collect(engine.add(prompt, ids, gc, None, default_tau=0.3, **mode), got, done)
+            if len(engine):
+                _collect(engine.step(0.3), got, done)
+            step += 1
+        return got, limits
+
+    got, limits = run()
+    for prompt, tokens in got.items():
+        assert 1 <= len(tokens) <= limits[prompt] and mask not in tokens
+    assert run()[0] == got
