@@ -123,7 +123,8 @@ class MARSDecoder:
         candidates = opts.block_size + 1 if opts.use_last_mask else opts.block_size
         self.shape = Shape(candidates=candidates, max_drafts=0 if one_token else candidates - 1,
                            one_token=one_token, block=opts.cache in ("block", "block_trained"), chunk=opts.cache_block)
-        max_slots = 2 * self.shape.max_drafts + 1 if opts.verify else candidates
+        # candidate slots a step can read: verify's pending drafts, the AR token and the new drafts
+        self.max_slots = max_slots = 2 * self.shape.max_drafts + 1 if opts.verify else candidates
         self.buf_len = P + max(self.max_new, 0) + max_slots + 2
         self.cache = RollbackCache(model, generation_config, model_kwargs.get(cache_key(model_kwargs)), b,
                                    needed=P + max(self.max_new, 0) + 3 * candidates + 2)
@@ -446,7 +447,7 @@ class MARSDecoder:
         """Put the decided tokens into `seq` after each row's history (``starts``: its length before them), for
         processors and criteria to read; a finished row's speculative slots after them become pads. One
         host->device copy."""
-        P, S, idx = self.prompt_len, self.shape.candidates * 2 + 1, ([], [], [])
+        P, S, idx = self.prompt_len, self.max_slots, ([], [], [])
         for r in rows:
             start = P + starts[r]
             values = list(tokens[r]) + ([self.pad] * S if finished[r] else [])

@@ -22,9 +22,9 @@ from .plan import to_device
 
 
 def _first_step(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
-                synced_gpus=None, streamer=None, mars=True, mars_config=None, mars_streamer=None, mars_row_tau=None,
-                **model_kwargs):
-    """A custom_generate that returns the decoder after its first step (the prefill), for `MARSEngine.add`."""
+                mars_config=None, mars_row_tau=None, **model_kwargs):
+    """A custom_generate that returns the decoder after its first step (the prefill), for `MARSEngine.add`
+    (no streamer: the engine hands each row's tokens out itself)."""
     decoder = start_decoder(model, input_ids, logits_processor, stopping_criteria, generation_config, None,
                             mars_config, model_kwargs)
     if mars_row_tau is not None:

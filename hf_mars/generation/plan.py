@@ -59,7 +59,8 @@ def plan_step(dec) -> StepPlan:
     b, opts, rows, shape = dec.batch, dec.opts, dec.rows, dec.shape
     # a row at tau >= 1 reads candidate 0 only; masks are fed unless every row is such a row (the masks must
     # occupy the same last columns in every row, so that one crop drops them all)
-    one_token = [shape.one_token or (dec.row_tau is not None and dec.row_tau[r] >= 1.0) for r in range(b)]
+    taus = dec.row_tau
+    one_token = [shape.one_token] * b if taus is None else [shape.one_token or t >= 1.0 for t in taus]
     no_masks = all(one_token[r] for r in range(b) if rows.unfinished[r]) and not shape.block and not opts.verify
     plan = StepPlan(first=rows.fed[0] == -dec.prompt_len, active=[False] * b, uncached=[0] * b, drafts=[0] * b,
                     masks=[0] * b, slots=[0] * b)
