@@ -27,6 +27,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .cache import check_rollback
 from .config import MARS_ARGUMENTS, MARSGenerationConfig, mask_token_id
 from .decoder import LOOP_KWARGS, MARSDecoder, cache_key
+from .tree import TreeDecoder
 
 
 @dataclasses.dataclass
@@ -158,8 +159,9 @@ def start_decoder(model, input_ids, logits_processor, stopping_criteria, generat
     opts = MARSGenerationConfig.resolve(model, generation_config, base=mars_config, **given)
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    return MARSDecoder(model, input_ids, logits_processor, stopping_criteria, generation_config, opts, streamer,
-                       model_kwargs)
+    decoder = TreeDecoder if opts.verify else MARSDecoder  # (a tree decoder falls back to the chain by itself)
+    return decoder(model, input_ids, logits_processor, stopping_criteria, generation_config, opts, streamer,
+                   model_kwargs)
 
 
 def _with_option_parameters(func):

@@ -97,6 +97,25 @@ class RollbackCache:
         of those are real per row, None when all are)."""
         if drop or self.sliding:  # crop(0) trims sliding layers back to their window
             self.cache.crop(-drop)
+        self._append(kept_real, keep, device)
+
+    def keep_chunk_columns(self, width: int, index, kept_real, device) -> None:
+        """Of the ``width`` columns the forward wrote, keep per row the ones ``index`` (rows, K) names, in that
+        order (a draft tree's accepted path: not a suffix to crop, so gathered; ``kept_real``: which are real)."""
+        idx = index[:, None, :, None]
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue
+            start = layer.keys.shape[2] - width
+            for name in ("keys", "values"):
+                full = getattr(layer, name)
+                chunk = full[:, :, start:]
+                picked = chunk.gather(2, idx.expand(-1, chunk.shape[1], -1, chunk.shape[3]))
+                setattr(layer, name, torch.cat([full[:, :, :start], picked], dim=2))
+        self._append(kept_real, index.shape[1], device)
+
+    def _append(self, kept_real, keep: int, device) -> None:
+        """Account for ``keep`` new columns at the end (``kept_real``: which are real per row, None when all)."""
         if not keep:
             return
         if kept_real is not None or self.attn is not None:

@@ -20,6 +20,7 @@ DEFAULT_BLOCK_SIZE = 4  # the paper's default block size
 DEFAULT_CACHE_BLOCK = 16  # block-cache chunk; the paper's best is 16-32
 ACCEPTANCE_MODES = ("probability", "entropy", "margin")
 CACHE_MODES = ("sliding", "block", "block_trained")
+DRAFT_TREE_MODES = ("auto", "chain")  # besides a shape "k1,k2,...": see `parse_draft_tree`
 
 
 def _field(default, help_text: str):
@@ -61,10 +62,16 @@ class MARSGenerationConfig:
     use_last_mask: bool | None = _field(None, (
         "Read the last mask's prediction too (B + 1 candidates). Default: on in verify mode (a wrong draft only "
         "costs its rejection), off in threshold mode (it costs accuracy there)."))
+    draft_tree: str | None = _field(None, (
+        "Verify mode's drafts: 'auto' (default: a tree where the call allows one, else the chain), 'chain' (one "
+        "draft per depth, new drafts only after all were accepted) or a tree shape 'k1,k2,...' (depth d offers "
+        "its mask's top-k_d tokens; masks after every node, so the next drafts are ready whichever path is "
+        "accepted). The output never depends on it."))
 
     def __post_init__(self):
         # the fields set to something other than their default: what a `mars_config=` passed to generate imposes
         self._explicit = frozenset(f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default)
+        self._from_call = self._explicit
         if self.use_last_mask is None:
             self.use_last_mask = self.verify is True
         if self.threshold is None:
@@ -86,6 +93,7 @@ class MARSGenerationConfig:
         for name in ("verify", "use_last_mask"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"mars_{name} must be True or False, got {getattr(self, name)!r}.")
+        self.draft_tree = parse_draft_tree(self.draft_tree, self.block_size + self.use_last_mask - 1)
         if self.verify and self.cache != "sliding":
             raise ValueError(
                 "mars_verify=True keeps its own sliding cache (rejected drafts are masked out in place); "
@@ -104,11 +112,13 @@ class MARSGenerationConfig:
         if base is not None and not isinstance(base, cls):
             raise ValueError(f"mars_config must be a MARSGenerationConfig, got {type(base).__name__}.")
         meta = read_mars_metadata(getattr(model, "config", None))
-        values = {}
+        values, from_call = {}, set()
         for f in dataclasses.fields(cls):
             value = given.get("mars_" + f.name)
             if value is None and base is not None and f.name in base._explicit:
                 value = getattr(base, f.name)
+            if value is not None:
+                from_call.add(f.name)
             if value is None and f.name != "threshold":
                 value = getattr(generation_config, "mars_" + f.name, None)
             if value is not None:
@@ -118,6 +128,10 @@ class MARSGenerationConfig:
         if values.get("block_size") is None:
             values["block_size"] = meta.get("block_size") or DEFAULT_BLOCK_SIZE
         config = cls(**values)
+        config._from_call = frozenset(from_call)  # what this call asked for (not a saved default)
+        if "draft_tree" in from_call and config.draft_tree != "auto" and not config.verify:
+            raise ValueError(f"mars_draft_tree={config.draft_tree!r} shapes verify mode's drafts; pass "
+                             "mars_verify=True with it (threshold mode accepts mask predictions without drafts).")
         config.warn_about(meta)
         return config
 
@@ -154,6 +168,28 @@ class MARSGenerationConfig:
             _logger.warning_once(
                 f"mars_block_size={self.block_size} is larger than the block size this model was trained with "
                 f"({trained}): masks beyond the trained distance predict poorly. Use mars_block_size <= {trained}.")
+
+
+def parse_draft_tree(value, max_depth: int | None = None):
+    """A draft-tree option in its one form: 'auto', 'chain' or a shape string 'k1,k2,...' (from a string, a list
+    or a tuple of ints >= 1, at most ``max_depth`` deep: mask d predicts depth d, and there are B - 1 masks, B with
+    the last one)."""
+    if value is None:
+        return "auto"
+    if isinstance(value, str) and value.strip().lower() in DRAFT_TREE_MODES:
+        return value.strip().lower()
+    parts = value.split(",") if isinstance(value, str) else value
+    try:
+        shape = tuple(int(p) if isinstance(p, str) else p for p in parts)
+    except (TypeError, ValueError):
+        shape = ()
+    if not shape or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in shape):
+        raise ValueError(f"mars_draft_tree must be 'auto', 'chain' or a shape like '2,1,1' (top-k per depth, "
+                         f"ints >= 1), got {value!r}.")
+    if max_depth is not None and len(shape) > max_depth:
+        raise ValueError(f"mars_draft_tree {value!r} is {len(shape)} deep, but this call has {max_depth} draft "
+                         f"masks (B - 1, or B with the last mask): give at most {max_depth} depths.")
+    return ",".join(map(str, shape))
 
 
 MARS_ARGUMENTS = ("mars", "mars_config") + MARSGenerationConfig.argument_names() + ("mars_streamer",)

@@ -229,9 +229,11 @@ class MARSDecoder:
             col_real = None
         return plan.input_ids, plan.pos_t, col_real
 
-    def _forward(self, plan, input_ids, position_ids, col_real):
-        """The model forward over the chunk (the cache is updated in place); the logits from candidate 0 on."""
-        attention_mask = None if col_real is None else self.cache.attention_mask(col_real, self.device)
+    def _forward(self, plan, input_ids, position_ids, col_real, attention_mask=None):
+        """The model forward over the chunk (the cache is updated in place); the logits from candidate 0 on.
+        ``attention_mask``: a prepared 4D mask (a draft tree's); else the 2D one from the chunk's real columns."""
+        if attention_mask is None and col_real is not None:
+            attention_mask = self.cache.attention_mask(col_real, self.device)
         kwargs = dict(self.extra_forward_kwargs)
         kwargs[self.cache_key] = self.cache.cache
         if self.supports_logits_to_keep:

@@ -50,7 +50,8 @@ def _settings(dec):
     chain = [(type(p), {k: v.tolist() if torch.is_tensor(v) else v for k, v in vars(p).items()})
              for p in dec.clients.processors]
     return (dataclasses.replace(dec.opts, threshold=0.0), dec.do_sample, chain, dec.clients.suppress,
-            dec.clients.eos_ids, dec.pad, dec.device, dataclasses.replace(dec.shape, one_token=False))
+            dec.clients.eos_ids, dec.pad, dec.device, dataclasses.replace(dec.shape, one_token=False),
+            getattr(dec, "tree_shape", None))
 
 
 def can_merge(dec, other) -> bool:

@@ -77,6 +77,20 @@ def verified_drafts(chosen, drafts, kept=None) -> int:
     return leading_run(kept, 0, len(drafts))
 
 
+def accepted_path(children, tokens, choice) -> list:
+    """Verify mode with a draft tree: the longest path from the root whose every node holds the token AR chose at
+    its parent. ``children[n]``: node n's children (n = -1 is the root, the last committed token); ``tokens[n]``:
+    node n's draft; ``choice(n)``: the AR token chosen at node n. A chain is the tree where each node has one
+    child, and this is then `verified_drafts`. Returns the accepted nodes, root first excluded."""
+    path, node = [], -1
+    while True:
+        ar = choice(node)
+        node = next((c for c in children.get(node, ()) if tokens[c] == ar), None)
+        if node is None:
+            return path
+        path.append(node)
+
+
 def proposed_drafts(chosen, confident, first: int, slots: int) -> list:
     """Verify mode, after every pending draft was accepted: the next drafts are the mask slots after the AR token
     (from ``first`` on, within the ``slots`` the row may use), truncated at the first one not confident."""

@@ -1,0 +1,334 @@
+"""Verify mode with a draft tree: several candidates per depth in one forward, and masks after every node.
+
+The chain (`decoder.MARSDecoder` in verify mode) offers one draft per depth and proposes new drafts only when every
+draft was accepted: after a rejection the next forward emits one token and only proposes. A tree (Medusa,
+SpecInfer) offers each mask's top-k tokens at its depth, as extra chunk positions under a tree-shaped attention
+mask: a node sees the committed prefix and its ancestors, at position root + depth. MARS adds what draft heads
+cannot: a group of mask tokens after the root and after every node, each seeing that node's path, which is the
+``[committed | masks]`` layout MARS is trained on, as if the path were committed. Whichever path AR accepts, its
+last node's masks hold the next tree's candidates: no forward is spent only proposing.
+
+A mask's prediction depends only on the path before it, so the candidates at depth d are the same under every
+parent; a static shape (k_1, ..., k_D) is the product of each depth's top-k_d (`Tree.grow`). Greedy output is
+plain greedy's: every emitted token is the AR argmax at its exact prefix (`rules.accepted_path`). Sampling,
+processors that read the token history and caches that cannot take a gathered path (static, sliding-window)
+decode with the chain instead (`refusal`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from transformers.utils import logging as _hf_logging
+
+from .clients import history_free
+from .decoder import MARSDecoder
+from .plan import plan_step, to_device
+from .rules import Decision, accepted_path, cut_at_stop, leading_run
+
+_logger = _hf_logging.get_logger(__name__)
+
+TREE_ATTENTION = ("sdpa", "eager")  # attention implementations that take a prepared 4D float mask as it is
+
+
+@dataclasses.dataclass
+class Tree:
+    """One row's draft tree, nodes in depth-first order with each depth's top-1 first (so the all-top-1 path is a
+    prefix of the nodes: accepting it is a crop, not a gather)."""
+
+    tokens: list  # node n's draft
+    parents: list  # node n's parent (-1: the root, the last committed token)
+    depths: list  # node n's depth (1: a child of the root)
+
+    @classmethod
+    def grow(cls, candidates: list, shape: tuple) -> Tree:
+        """The tree of shape ``shape`` over ``candidates`` (per depth, tokens best first)."""
+        tree = cls([], [], [])
+
+        def visit(parent, depth):
+            if depth >= min(len(candidates), len(shape)):
+                return
+            for token in candidates[depth][:shape[depth]]:
+                tree.tokens.append(token)
+                tree.parents.append(parent)
+                tree.depths.append(depth + 1)
+                visit(len(tree.tokens) - 1, depth + 1)
+
+        visit(-1, 0)
+        return tree
+
+    def children(self) -> dict:
+        out = {}
+        for node, parent in enumerate(self.parents):
+            out.setdefault(parent, []).append(node)
+        return out
+
+    def paths(self) -> list:
+        """Each node's path from the root, the node included."""
+        out = []
+        for node, parent in enumerate(self.parents):
+            out.append((out[parent] if parent >= 0 else []) + [node])
+        return out
+
+
+@dataclasses.dataclass
+class TreePlan:
+    """A decode step's layout, per row: [uncached committed | nodes | mask group of the root, of node 0, ...]. The
+    columns from the root on are the candidate slots: 0 the root, 1 + n node n, then the groups."""
+
+    active: list
+    trees: list  # per row: its Tree (empty for inactive rows)
+    uncached: list  # per row: committed tokens fed first (the last is the root)
+    groups: list  # per row: masks per group (0: a row that reads no masks)
+    lens: list
+    rows: list = dataclasses.field(default_factory=list)
+    first: bool = False
+    width: int = 0
+    logits_kept: int = 0  # = candidate slots of the widest row
+    input_ids: torch.Tensor | None = None
+    pos_t: torch.Tensor | None = None
+    allowed_t: torch.Tensor | None = None  # (b, width, width): which chunk column each chunk column may see
+    slot_col_t: torch.Tensor | None = None  # rows of different layouts: the logits column each slot reads
+
+
+def shape_of(opts, max_drafts: int) -> tuple:
+    """The tree shape an option names ('auto': one candidate per depth, masks after every node: the measured
+    best on a CPU, see docs/generation.md)."""
+    if opts.draft_tree == "auto":
+        return (1,) * max_drafts
+    return tuple(int(k) for k in opts.draft_tree.split(","))
+
+
+def refusal(dec) -> str | None:
+    """Why this call cannot decode with a tree (None: it can)."""
+    attention = getattr(dec.model.config, "_attn_implementation", None) or "eager"
+    if dec.do_sample:
+        return ("sampling (exact multi-candidate speculative sampling is not implemented; the chain's speculative "
+                "sampling keeps the target distribution)")
+    if dec.clients.exact or not history_free(dec.clients.processors):
+        return "logits processors that read the token history (one call per tree node would be needed)"
+    if dec.cache.static or dec.cache.sliding:
+        return "a static or sliding-window cache (the accepted path is gathered, the cache cannot hold gaps)"
+    if attention not in TREE_ATTENTION:
+        return f"attn_implementation={attention!r} (a tree needs a 4D attention mask: use 'sdpa' or 'eager')"
+    return None
+
+
+class TreeDecoder(MARSDecoder):
+    """Verify mode over draft trees; the chain's decoder (its prefill, commit, criteria, streaming, compaction)
+    does everything a tree does not change."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tree_shape = None
+        if self.shape.one_token or not self.opts.verify or self.opts.draft_tree == "chain":
+            return
+        reason = refusal(self)
+        asked = "draft_tree" in self.opts._from_call and self.opts.draft_tree != "auto"
+        if reason is None:
+            self.tree_shape = shape_of(self.opts, self.shape.max_drafts)
+            self.group = len(self.tree_shape)
+        elif asked and not self.do_sample:
+            raise ValueError(f"mars_draft_tree={self.opts.draft_tree!r} cannot be used with {reason}. Leave "
+                             "mars_draft_tree unset (the chain is used where a tree cannot be) or pass 'chain'.")
+        elif asked:
+            _logger.warning_once(f"mars_draft_tree: decoding with the draft chain instead of a tree: {reason}.")
+
+    def step(self) -> bool:
+        if self.tree_shape is None:
+            return super().step()
+        first = self.rows.fed[0] == -self.prompt_len
+        if first:  # the prefill is the chain's: [prompt | masks]; the root's masks give the first candidates
+            plan = plan_step(self)
+            input_ids, position_ids, col_real = self._chunk(plan)
+            logits = self._forward(plan, input_ids, position_ids, col_real)
+            groups = [0 if self._one_token(r) else self.group for r in range(self.batch)]
+            trees = [Tree([], [], []) for _ in range(self.batch)]
+            slot_logits = self._suppressed(logits[:, :1 + self.group])
+        else:
+            plan = self._plan()
+            logits = self._forward(plan, plan.input_ids, plan.pos_t, None, self._attention(plan))
+            groups, trees = plan.groups, plan.trees
+            slot_logits = logits if plan.slot_col_t is None else logits.gather(
+                1, plan.slot_col_t[:, :, None].expand(-1, -1, logits.shape[-1]))
+            slot_logits = self._suppressed(slot_logits)
+        decision, paths, emit_slots = self._decide_tree(plan, slot_logits, trees, groups)
+        accepted = [len(t) for t in decision.tokens]
+        if self.records is not None:
+            self.records.append(self._path_records(decision.scores, slot_logits, emit_slots, accepted))
+        rows = self.rows
+        finished = [plan.active[r] and (decision.stopped[r] or rows.emitted[r] + accepted[r] >= rows.limit[r])
+                    for r in range(self.batch)]
+        if first:
+            keep_cols = self._roll_back(plan, col_real, accepted, finished)
+        else:
+            keep_cols = self._keep_paths(plan, paths)
+        self._commit(plan, keep_cols, decision, finished)
+        if self.cache.attn is not None and self.cache.compact(
+                max(p + f for p, f in zip(self.prompt_real_host, rows.fed))):
+            self.compactions += 1
+        if self.clients.lagging is not None:
+            self._check_lagging()
+        return any(rows.unfinished)
+
+    # ---------------------------------------------------------------- the chunk
+    def _one_token(self, r) -> bool:
+        return self.row_tau is not None and self.row_tau[r] >= 1.0
+
+    def _plan(self) -> TreePlan:
+        """Each active row's tree (its candidates, cut to what the length limits let it emit) and the chunk."""
+        b, rows, opts = self.batch, self.rows, self.opts
+        plan = TreePlan(active=list(rows.unfinished), trees=[Tree([], [], []) for _ in range(b)],
+                        uncached=[0] * b, groups=[0] * b, lens=[0] * b)
+        for r in range(b):
+            if not rows.unfinished[r]:
+                continue
+            remaining = rows.limit[r] - rows.emitted[r]
+            depth = min(remaining, opts.max_accept or remaining) - 1  # the nodes + the AR token must fit
+            one = self._one_token(r)
+            plan.trees[r] = Tree.grow([] if one else rows.drafts[r][:depth], self.tree_shape)
+            plan.uncached[r] = rows.emitted[r] - rows.fed[r]
+            plan.groups[r] = 0 if one else self.group
+            n = len(plan.trees[r].tokens)
+            plan.lens[r] = plan.uncached[r] + n + (n + 1) * plan.groups[r]
+        plan.rows = [r for r in range(b) if plan.active[r]]
+        plan.width = max(plan.lens)
+        plan.logits_kept = max(plan.lens[r] - plan.uncached[r] + 1 for r in plan.rows)
+        self._lay_out(plan)
+        return plan
+
+    def _lay_out(self, plan) -> None:
+        """The chunk's tokens, positions, tree attention and slot columns, in one host->device copy."""
+        b, W, S, rows = self.batch, plan.width, plan.logits_kept, self.rows
+        ids, pos, allowed, cols = [], [], [], []
+        for r in range(b):
+            tree, u, g, n = plan.trees[r], plan.uncached[r], plan.groups[r], plan.lens[r]
+            left = W - n
+            committed = rows.tokens[r][rows.fed[r]:rows.fed[r] + u]
+            ids += [self.pad] * left + committed + tree.tokens + [self.mask_token_id] * (n - u - len(tree.tokens))
+            root = self.prompt_real_host[r] + rows.fed[r] + u - 1  # the root's position
+            group_depths = [0] + tree.depths if g else []
+            pos += [0] * left + list(range(root - u + 1, root + 1)) + [root + d for d in tree.depths]
+            pos += [root + d + 1 + j for d in group_depths for j in range(g)]
+            allowed += _row_pattern(tree, u, g, left, W)
+            c0 = S - (n - u + 1) if plan.active[r] else 0
+            cols += [min(c0 + s, S - 1) for s in range(S)]
+        uniform = len({plan.lens[r] - plan.uncached[r] for r in plan.rows}) == 1 and all(plan.active)
+        sizes = [b * W, b * W, b * W * W] + ([] if uniform else [b * S])
+        parts = to_device(ids + pos + allowed + ([] if uniform else cols), self.device).split(sizes)
+        plan.input_ids, plan.pos_t = parts[0].view(b, W), parts[1].view(b, W)
+        if self.last_position is not None:
+            plan.pos_t = plan.pos_t.clamp(max=self.last_position)
+        plan.allowed_t = parts[2].view(b, W, W).bool()
+        plan.slot_col_t = None if uniform else parts[3].view(b, S)
+
+    def _attention(self, plan):
+        """The 4D float mask: every chunk column sees the cache's real columns and what its tree pattern allows."""
+        b, W = self.batch, plan.width
+        past = self.cache.attn
+        if past is None:
+            past = torch.ones(b, self.cache.length, dtype=torch.long, device=self.device)
+        allowed = torch.cat([past.bool()[:, None, :].expand(b, W, -1), plan.allowed_t], dim=2)[:, None]
+        dtype = self.model.dtype if self.model.dtype.is_floating_point else torch.float32
+        return torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(
+            ~allowed, torch.finfo(dtype).min)
+
+    def _suppressed(self, slot_logits):
+        slot_logits = slot_logits.to(dtype=torch.float32, copy=True)
+        self._raw = slot_logits.clone() if self.output_logits else None
+        return slot_logits.index_fill_(-1, self.suppress_t, float("-inf"))
+
+    # ---------------------------------------------------------------- deciding
+    def _decide_tree(self, plan, slot_logits, trees, groups):
+        """AR's token at every slot, each slot's confidence and each mask's top-k, in one sync; per row the accepted
+        path (`rules.accepted_path`) plus AR's token after it, and the next candidates from that node's masks
+        (leading depths whose top probability clears the draft tau, as the chain truncates its drafts)."""
+        b, S = slot_logits.shape[:2]
+        scores, chosen = self.process(plan, slot_logits, self.clients.processors)
+        k = max(self.tree_shape)
+        parts = [chosen.view(-1), self.confident(scores, chosen, of_distribution=True).view(-1)]
+        if k > 1:
+            parts.append(scores.topk(k, dim=-1).indices.view(-1))
+        host = torch.cat(parts).tolist()
+        tokens, stopped, drafts_next = [[] for _ in range(b)], [False] * b, [[] for _ in range(b)]
+        paths, emit_slots = [[] for _ in range(b)], [[] for _ in range(b)]
+        for r in plan.rows:
+            row, conf, tree, g = host[r * S:(r + 1) * S], host[b * S + r * S:b * S + (r + 1) * S], trees[r], groups[r]
+            path = accepted_path(tree.children(), tree.tokens, lambda n: row[n + 1])
+            last = path[-1] if path else -1
+            tokens[r] = [tree.tokens[n] for n in path] + [row[last + 1]]
+            paths[r], emit_slots[r] = path, [0] + [n + 1 for n in path]
+            first = 1 + len(tree.tokens) + (last + 1) * g  # the first mask of the last accepted node's group
+            depths = leading_run(conf, first, first + g)
+            if k > 1:
+                at = 2 * b * S + (r * S + first) * k
+                drafts_next[r] = [host[at + j * k:at + j * k + self.tree_shape[j]] for j in range(depths)]
+            else:
+                drafts_next[r] = [[t] for t in row[first:first + depths]]
+            stopped[r] = cut_at_stop(tokens[r], self.clients.eos_ids)
+            del emit_slots[r][len(tokens[r]):]
+        if len(self.clients.criteria) > 0:
+            self._apply_criteria(plan, tokens, stopped, self._in_path_order(scores, emit_slots))
+        return Decision(tokens, stopped, drafts_next, scores), paths, emit_slots
+
+    def _in_path_order(self, tensor, emit_slots):
+        """Per row, the slots of its emitted tokens first (the AR distribution at the root, then at each accepted
+        node): what output_scores and criteria read as the distributions of the emitted positions."""
+        width = max(1, max(len(s) for s in emit_slots))
+        index = to_device([s[i] if i < len(s) else 0 for s in emit_slots for i in range(width)], self.device)
+        index = index.view(self.batch, width)
+        return tensor.gather(1, index[:, :, None].expand(-1, -1, tensor.shape[-1]))
+
+    def _path_records(self, scores, slot_logits, emit_slots, accepted):
+        return (self._in_path_order(scores, emit_slots) if self.output_scores else None,
+                self._in_path_order(self._raw, emit_slots) if self.output_logits else None, accepted)
+
+    # ---------------------------------------------------------------- the cache
+    def _keep_paths(self, plan, paths) -> int:
+        """Keep each row's committed columns and its accepted path's nodes, drop the rest. When every row's path
+        is its tree's leading nodes (always, for the all-top-1 path) that is a crop; otherwise a gather."""
+        b, W = self.batch, plan.width
+        lefts = [W - plan.lens[r] for r in range(b)]
+        kept = [plan.uncached[r] + len(paths[r]) if plan.active[r] else 0 for r in range(b)]
+        if all(p == list(range(len(p))) for p in paths):
+            keep = max(lefts[r] + kept[r] for r in range(b))
+            real = None
+            if b > 1 or lefts[0] > 0:
+                flags = [int(lefts[r] <= c < lefts[r] + kept[r]) for r in range(b) for c in range(keep)]
+                real = to_device(flags, self.device).view(b, keep)
+            self.cache.roll_back(W - keep, real, keep, self.device)
+            return keep
+        keep = max(kept)
+        index, flags = [], []
+        for r in range(b):
+            cols = [lefts[r] + c for c in range(plan.uncached[r])] + [lefts[r] + plan.uncached[r] + n for n in paths[r]]
+            cols = cols if plan.active[r] else []
+            index += [0] * (keep - len(cols)) + cols
+            flags += [0] * (keep - len(cols)) + [1] * len(cols)
+        both = to_device(index + flags, self.device).view(2, b, keep)
+        self.cache.keep_chunk_columns(W, both[0], both[1].bool(), self.device)
+        return keep
+
+
+def _row_pattern(tree, uncached, group, left, width) -> list:
+    """One row's chunk attention, flattened (width x width, 1 = may see): pads see themselves; committed tokens
+    see the committed ones before them; a node sees the committed tokens and its path; mask j of a group sees the
+    committed tokens, its node's path and masks 0..j of its group."""
+    n_nodes = len(tree.tokens)
+    rows = [[q] for q in range(left)]
+    committed = list(range(left, left + uncached))
+    rows += [committed[:i + 1] for i in range(uncached)]
+    node_col = [left + uncached + n for n in range(n_nodes)]
+    paths = tree.paths()
+    rows += [committed + [node_col[m] for m in path] for path in paths]
+    start = left + uncached + n_nodes
+    for g, path in enumerate([[]] + paths if group else []):
+        base = committed + [node_col[m] for m in path]
+        first = start + g * group
+        rows += [base + list(range(first, first + j + 1)) for j in range(group)]
+    flat = [0] * (width * width)
+    for q, seen in enumerate(rows):
+        for c in seen:
+            flat[q * width + c] = 1
+    return flat
