@@ -30,6 +30,7 @@ import hf_mars.generation as gen
 from hf_mars.generation import enable_mars, mars_generate
 from hf_mars.generation.cache import RollbackCache
 from hf_mars.generation.decoder import MARSDecoder
+from hf_mars.generation.tree import TreeDecoder
 from hf_mars.hub import write_custom_generate
 
 # the cache argument's name: `cache` from transformers 5.24 (`past_key_values` is its deprecated alias there)
@@ -808,8 +809,9 @@ def test_batched_cache_is_compacted_and_output_unchanged(peaky, monkeypatch):
 @pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["batch1", "batch4"])
 @pytest.mark.parametrize("kw", [dict(mars_threshold=0.5), dict(mars_verify=True, mars_threshold=0.0),
                                 dict(mars_threshold=0.5, mars_cache="block", mars_cache_block=8),
-                                dict(mars_verify=True, mars_threshold=0.0, repetition_penalty=1.3)],
-                         ids=["threshold", "verify", "block", "verify-device"])
+                                dict(mars_verify=True, mars_threshold=0.0, repetition_penalty=1.3),
+                                dict(mars_verify=True, mars_threshold=0.0, mars_draft_tree="3,2,1")],
+                         ids=["threshold", "verify", "block", "verify-device", "verify-tree"])
 def test_one_host_sync_per_step(peaky, monkeypatch, prompts, kw):
     """The loop reads device values on the host once per step (per-row metadata goes host -> device without a
     sync). Counted on the CPU: every .item() / .tolist() / .cpu() / bool() / int() / float() the decoding module
@@ -830,16 +832,19 @@ def test_one_host_sync_per_step(peaky, monkeypatch, prompts, kw):
             return _original(self, *a, **k)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
-    real_step = MARSDecoder.step
+    def counting(real_step):
+        def step(self):  # any sync the module makes while a step runs counts against it (once: a tree decoder's
+            if steps and steps[-1]:  # step may run the chain's)
+                return real_step(self)
+            steps.append(True)
+            try:
+                return real_step(self)
+            finally:
+                steps[-1] = False
+        return step
 
-    def step(self):  # any sync the module makes while a step runs counts against it
-        steps.append(True)
-        try:
-            return real_step(self)
-        finally:
-            steps[-1] = False
-
-    monkeypatch.setattr(MARSDecoder, "step", step)
+    for cls in (MARSDecoder, TreeDecoder):
+        monkeypatch.setattr(cls, "step", counting(cls.step))
     enc = tok(prompts, return_tensors="pt", padding=True)
     _greedy(model, enc, max_new_tokens=32, eos_token_id=[], **kw)
     assert counts["step"] == len(steps) and len(steps) > 5
@@ -880,6 +885,8 @@ def test_one_call_and_slot_by_slot_processing_decide_alike(peaky, monkeypatch, k
     eos = [max({t for row in rows for t in row}, key=lambda t: min(row.index(t) if t in row else 99 for row in rows))]
     args = dict(kw, mars=True, eos_token_id=eos, pad_token_id=0, max_new_tokens=40, return_dict_in_generate=True)
     args.setdefault("do_sample", False)
+    if kw.get("mars_verify"):  # the chain's two processing paths (a tree takes history-free chains only)
+        args["mars_draft_tree"] = "chain"
     seen = []
     real_init = MARSDecoder.__init__
     import hf_mars.generation.decoder as decoder_module

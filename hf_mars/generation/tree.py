@@ -18,6 +18,7 @@ decode with the chain instead (`refusal`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from transformers.utils import logging as _hf_logging
@@ -314,8 +315,14 @@ class TreeDecoder(MARSDecoder):
 def _row_pattern(tree, uncached, group, left, width) -> list:
     """One row's chunk attention, flattened (width x width, 1 = may see): pads see themselves; committed tokens
     see the committed ones before them; a node sees the committed tokens and its path; mask j of a group sees the
-    committed tokens, its node's path and masks 0..j of its group."""
-    n_nodes = len(tree.tokens)
+    committed tokens, its node's path and masks 0..j of its group. (A static shape repeats a few layouts: cached.)"""
+    return list(_pattern(tuple(tree.parents), uncached, group, left, width))
+
+
+@functools.lru_cache(maxsize=512)
+def _pattern(parents, uncached, group, left, width) -> tuple:
+    tree = Tree([0] * len(parents), list(parents), [])
+    n_nodes = len(parents)
     rows = [[q] for q in range(left)]
     committed = list(range(left, left + uncached))
     rows += [committed[:i + 1] for i in range(uncached)]
@@ -331,4 +338,4 @@ def _row_pattern(tree, uncached, group, left, width) -> list:
     for q, seen in enumerate(rows):
         for c in seen:
             flat[q * width + c] = 1
-    return flat
+    return tuple(flat)
