@@ -49,7 +49,7 @@ def test_cli_json_structure_and_sanity(tmp_path, checkpoint, capsys):
     assert rc == 0
     result = json.loads(out.read_text())
     table = capsys.readouterr().out
-    for column in ("batch", "mode", "tau", "cache", "tok/fwd", "tok/s", "speedup", "limit", "eff"):
+    for column in ("batch", "mode", "tau", "cache", "tree", "tok/fwd", "tok/s", "speedup", "limit", "eff", "step/c1"):
         assert column in table
 
     # one report schema: the bench's own JSON renders in a model card (threshold / speedup_vs_ar rows)
@@ -72,12 +72,15 @@ def test_cli_json_structure_and_sanity(tmp_path, checkpoint, capsys):
         assert {"1", "4", "5"} <= set(costs["table_ms"])  # 1, 1 + B, the block-cache chunk (+ widths used)
 
     rows = result["rows"]
-    # per batch size: AR (+ prompt lookup at batch 1) + 2 tau x 2 caches + 1 verify
-    assert len(rows) == 7 + 6
-    assert [(r["mode"], r["threshold"], r["cache"]) for r in rows[:7]] == [
-        ("ar", None, None), ("prompt_lookup", None, None), ("mars", 1.0, "sliding"), ("mars", 0.0, "sliding"),
-        ("mars", 1.0, "block"), ("mars", 0.0, "block"), ("verify", 0.0, "sliding"),
+    # per batch size: AR (+ prompt lookup at batch 1) + 2 tau x 2 caches + verify with a tree and the chain
+    assert len(rows) == 8 + 7
+    assert [(r["mode"], r["threshold"], r["cache"], r["draft_tree"]) for r in rows[:8]] == [
+        ("ar", None, None, None), ("prompt_lookup", None, None, None), ("mars", 1.0, "sliding", None),
+        ("mars", 0.0, "sliding", None), ("mars", 1.0, "block", None), ("mars", 0.0, "block", None),
+        ("verify", 0.0, "sliding", "auto"), ("verify", 0.0, "sliding", "chain"),
     ]
+    for r in rows:  # a tree forwards wider steps than the chain: what a step costs, in 1-token steps
+        assert r["step_cost_vs_1"] > 0
     lookup = rows[1]  # lossless, and compared against the best plain path too
     assert lookup["matches_ar"] == 1.0 and lookup["tokens_per_forward"] >= 1.0
     assert all(r["speedup_vs_best_plain"] > 0 for r in rows)

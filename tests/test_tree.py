@@ -10,7 +10,11 @@ path goes where a test needs it.
 
 import pytest
 import torch
-from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, StaticCache
+from transformers import (
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    StaticCache,
+)
 
 from hf_mars.generation import enable_mars
 from hf_mars.generation.cache import RollbackCache

@@ -21,7 +21,6 @@ size, after a warm-up; each figure is the median over ``repeats``.
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from hf_mars.demo.bench_format import COLUMNS, format_table  # noqa: F401  (importable from here)
 from hf_mars.demo.prompts import (  # noqa: F401  (the prompt helpers stay importable from here)
     BUILTIN_PROMPTS,
     encode_prompts,
@@ -75,12 +75,14 @@ class RunSpec:
     threshold: float | None = None
     cache: str | None = None
     kwargs: dict = field(default_factory=dict)
+    tree: str | None = None  # verify mode's mars_draft_tree
 
     @property
     def label(self) -> str:
         if self.mode in PLAIN_MODES:
             return self.mode
-        return f"{self.mode}(tau={self.threshold:g},cache={self.cache})"
+        tree = f",tree={self.tree}" if self.tree else ""
+        return f"{self.mode}(tau={self.threshold:g},cache={self.cache}{tree})"
 
 
 PEERS = ("prompt_lookup", "static_compile")  # what a user would run instead of MARS
@@ -88,8 +90,9 @@ PLAIN_MODES = ("ar", "ar_static_compile", "prompt_lookup")
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
 
 
-def build_specs(thresholds, caches, verify_thresholds, block_size, cache_block, verify_cache="sliding", peers=()):
-    """Plain `generate`, the peers asked for, then every MARS configuration."""
+def build_specs(thresholds, caches, verify_thresholds, block_size, cache_block, verify_cache="sliding", peers=(),
+                draft_trees=("auto",)):
+    """Plain `generate`, the peers asked for, then every MARS configuration (verify: once per draft tree)."""
     unknown = sorted(set(peers) - set(PEERS))
     if unknown:
         raise ValueError(f"Unknown peer(s) {unknown}: use any of {PEERS}.")
@@ -117,8 +120,10 @@ def build_specs(thresholds, caches, verify_thresholds, block_size, cache_block, 
         kw = {"mars": True, "mars_threshold": float(tau), "mars_verify": True, "mars_cache": verify_cache}
         if block_size is not None:
             kw["mars_block_size"] = int(block_size)
-        specs.append(RunSpec("verify", float(tau), verify_cache, kw))
-        if "static_compile" in peers:  # MARS on the same fast path as the compiled plain peer
+        for tree in draft_trees or ("auto",):
+            specs.append(RunSpec("verify", float(tau), verify_cache, {**kw, "mars_draft_tree": tree}, tree))
+        if "static_compile" in peers:  # MARS on the same fast path as the compiled plain peer (the chain: a static
+            # cache cannot hold a tree's gathered path)
             specs.append(RunSpec("verify", float(tau), "static+compile", {**kw, **specs[1].kwargs}))
     for spec in specs:
         if spec.mode in PLAIN_MODES:
@@ -189,7 +194,8 @@ def resolve_block_size(model, block_size=None) -> int:
 def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 0.9), batch_sizes=(1, 4, 16),
                          caches=("sliding", "block"), verify_thresholds=(DEFAULT_VERIFY_THRESHOLD,), max_new_tokens=64, block_size=None,
                          cache_block=DEFAULT_CACHE_BLOCK, num_prompts=16, repeats=3, warmup=1, num_threads=None, cost_repeats=30,
-                         chat_template=None, progress=True, log=None, peers=("prompt_lookup",)) -> dict:
+                         chat_template=None, progress=True, log=None, peers=("prompt_lookup",),
+                         draft_trees=("auto",)) -> dict:
     """Benchmark MARS decoding against plain greedy `generate` (KV cache) on one model, in one process.
 
     ``model`` must have `enable_mars` applied (done here when it is not). Returns a JSON-able dict with
@@ -213,7 +219,8 @@ def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 
     records = [to_record(p, f"prompts[{i}]") for i, p in enumerate(prompts)] if prompts is not None else load_prompts()
     if not records:
         raise ValueError("The prompt set is empty.")
-    specs = build_specs(thresholds, caches, verify_thresholds, block_size, cache_block, peers=peers)
+    specs = build_specs(thresholds, caches, verify_thresholds, block_size, cache_block, peers=peers,
+                        draft_trees=draft_trees)
     bench = _Bench(model, tokenizer, records, encode_prompts(tokenizer, [r["prompt"] for r in records], chat_template),
                    specs, resolve_block_size(model, block_size), max_new_tokens, cache_block, tuple(caches),
                    num_prompts, repeats, warmup, cost_repeats)
@@ -227,7 +234,7 @@ def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 
             "accuracy_reported": bench.scored,
             "mean_prompt_tokens": statistics.mean(len(e) for e in bench.encoded), "batch_sizes": list(batch_sizes),
             "thresholds": list(thresholds), "caches": list(caches), "verify_thresholds": list(verify_thresholds or ()),
-            "peers": list(peers),
+            "peers": list(peers), "draft_trees": list(draft_trees or ()),
             "eos_token_ids": bench.eos_ids,
         },
         "step_costs": {},
@@ -329,7 +336,11 @@ class _Bench:
         rows, ar_row, ar_tokens = [], None, None
         for spec, reps in per_spec.values():
             row = _summarise(b, spec, reps, costs, self.block_size)
-            row["_predicted_s"] = sum(table[w] for run in reps[0] for w in run["widths"][1:])
+            decode_widths = [w for run in reps[0] for w in run["widths"][1:]]
+            row["_predicted_s"] = sum(table[w] for w in decode_widths)
+            row["draft_tree"] = spec.tree
+            # what a decode step of this configuration costs, in plain decode steps (a tree is wider)
+            row["step_cost_vs_1"] = row["_predicted_s"] / len(decode_widths) / table[1] if decode_widths else None
             toks = [t for run in reps[0] for t in run["new_tokens"]]  # row g of the run is records[g % len]
             if spec.mode == "ar":
                 ar_row, ar_tokens = row, toks
@@ -421,73 +432,6 @@ def _relative(row, ar, costs):
     )
 
 
-# ----------------------------------------------------------------------------------------------- output
-
-
-COLUMNS = [
-    ("batch", "batch_size", "{:d}"),
-    ("mode", "mode", "{}"),
-    ("tau", "threshold", "{:g}"),
-    ("cache", "cache", "{}"),
-    ("tok/fwd", "tokens_per_forward", "{:.2f}"),
-    ("tok/s", "tokens_per_s", "{:.1f}"),
-    ("speedup", "speedup_vs_ar", "{:.2f}x"),
-    ("(best)", "speedup_min", "{:.2f}x"),
-    ("vs best plain", "speedup_vs_best_plain", "{:.2f}x"),
-    ("limit", "limit", "{:.2f}x"),
-    ("eff", "efficiency", "{:.0%}"),
-    ("lim(w)", "limit_w", "{:.2f}x"),
-    ("ideal", "ideal", "{:.2f}x"),
-    ("ovh ms/step", "overhead_ms_per_step", "{:.2f}"),
-    ("model ms/step", "model_ms_per_step", "{:.2f}"),
-    ("=AR", "matches_ar", "{:.0%}"),
-    ("acc", "accuracy", "{:.0%}"),
-]
-
-
-def format_table(result: dict) -> str:
-    """A plain-text table of the result rows plus the step costs and the machine."""
-    header = [c[0] for c in COLUMNS]
-    lines = []
-    for row in result["rows"]:
-        cells = []
-        for _, key, fmt in COLUMNS:
-            v = row.get(key)
-            cells.append("-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v))
-        lines.append(cells)
-    widths = [max(len(h), *(len(r[i]) for r in lines)) if lines else len(h) for i, h in enumerate(header)]
-    out = ["  ".join(h.rjust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
-    prev_b = None
-    for row, cells in zip(result["rows"], lines):
-        if prev_b is not None and row["batch_size"] != prev_b:
-            out.append("")
-        prev_b = row["batch_size"]
-        out.append("  ".join(c.rjust(w) for c, w in zip(cells, widths)))
-    bsz = result["settings"]["block_size"]
-    out.append("")
-    out.append(f"step costs (one cached forward, cache length ~{next(iter(result['step_costs'].values()))['past_len']}, "
-               "fastest of the cost repeats):")
-    for b, c in result["step_costs"].items():
-        extra = "".join(f", cost({k[5:-3]}) {v:.2f} ms" for k, v in c.items() if k.startswith("cost_") and k not in ("cost_1_ms", f"cost_{1 + bsz}_ms"))
-        out.append(f"  batch {b}: cost(1) {c['cost_1_ms']:.2f} ms, cost({1 + bsz}) {c[f'cost_{1 + bsz}_ms']:.2f} ms "
-                   f"(ratio {c['ratio']:.2f}){extra}")
-    out.append("speedup: median over repeats of the total time; (best): from each generate call's fastest repeat; "
-               f"tok/s and times are medians over {result['settings']['repeats']} interleaved repeats")
-    out.append("limit = (tokens per forward call, MARS/AR) x cost(1)/cost(1+B); eff = speedup/limit; "
-               "lim(w) = the same with the cost of the widths actually forwarded; "
-               "ideal = speed-up with zero loop overhead (in-loop model time only); ovh = loop time outside forwards")
-    out.append("=AR = share of answers identical token for token to plain greedy generate's (100% for tau = 1 and "
-               "verify); acc = exact-match accuracy against the prompts' reference answers (- without them)")
-    m = result["machine"]
-    out.append(f"machine: {m.get('cpu_model', m['processor'])}, {m['cpu_count']} CPUs, torch threads {m['torch_threads']}, "
-               f"device {m['device']}{', ' + m['gpu'] if 'gpu' in m else ''}; load avg {m.get('load_average_start')} -> "
-               f"{m.get('load_average_end')}; torch {m['torch']}, transformers {m.get('transformers')}")
-    md = result["model"]
-    out.append(f"model: {md['class']}, {md['parameters'] / 1e6:.2f}M parameters, hidden {md['hidden_size']}, "
-               f"{md['num_hidden_layers']} layers, {md['dtype']}; B={bsz}, max_new_tokens={result['settings']['max_new_tokens']}")
-    return "\n".join(out)
-
-
 def _tqdm(**kw):
     try:
         from tqdm.auto import tqdm
@@ -525,6 +469,10 @@ def add_arguments(parser):
     parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS),
                         help="What a user would run instead, timed in the same run: prompt-lookup decoding (batch 1) and "
                              "plain generate with the static cache + torch.compile (warm-up compiles; none: skip).")
+    parser.add_argument("--draft-trees", nargs="*", default=["auto", "chain"],
+                        help="Verify mode's mars_draft_tree settings, each benchmarked ('auto', 'chain' or a shape "
+                             "like '2,1,1,1'); the table reports each one's tokens per forward, its step cost against "
+                             "a 1-token step and the speed-up limit from the widths it forwarded.")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=None, help="MARS B (default: the checkpoint's).")
@@ -568,7 +516,7 @@ def run(args):
         verify_thresholds=args.verify_thresholds, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
         cache_block=args.cache_block, num_prompts=args.num_prompts, repeats=args.repeats, warmup=args.warmup,
         num_threads=args.threads, cost_repeats=args.cost_repeats, chat_template=False if args.no_chat_template else None, progress=not args.quiet,
-        peers=tuple(args.peers),
+        peers=tuple(args.peers), draft_trees=tuple(args.draft_trees),
     )
     result["settings"]["model_path"] = str(args.model)
     result["settings"]["prompts_path"] = args.prompts

@@ -256,7 +256,7 @@ class TreeDecoder(MARSDecoder):
         paths, emit_slots = [[] for _ in range(b)], [[] for _ in range(b)]
         for r in plan.rows:
             row, conf, tree, g = host[r * S:(r + 1) * S], host[b * S + r * S:b * S + (r + 1) * S], trees[r], groups[r]
-            path = accepted_path(tree.children(), tree.tokens, lambda n: row[n + 1])
+            path = accepted_path(tree.children(), tree.tokens, lambda n, row=row: row[n + 1])
             last = path[-1] if path else -1
             tokens[r] = [tree.tokens[n] for n in path] + [row[last + 1]]
             paths[r], emit_slots[r] = path, [0] + [n + 1 for n in path]
