@@ -251,19 +251,23 @@ def write_custom_generate(save_directory) -> Path:
 # --------------------------------------------------------------------------- generation defaults
 
 
-def _check_defaults(threshold=None, block_size=None) -> None:
-    """The rules hf_mars.generation applies to mars_threshold / mars_block_size (it owns them)."""
+def _check_defaults(threshold=None, block_size=None, draft_tree=None) -> None:
+    """The rules hf_mars.generation applies to mars_threshold / mars_block_size / mars_draft_tree (it owns them)."""
     from hf_mars.generation import check_block_size, check_threshold
+    from hf_mars.generation.config import parse_draft_tree
 
     if threshold is not None:
         check_threshold(threshold)
     if block_size is not None:
         check_block_size(block_size)
+    if draft_tree is not None:
+        parse_draft_tree(draft_tree)
 
 
 def write_generation_defaults(save_directory, mars: dict, model=None, config_dict=None,
-                              threshold=None, block_size=None) -> tuple[float, int]:
-    """Add ``mars_threshold`` / ``mars_block_size`` to the folder's generation config, keeping everything else.
+                              threshold=None, block_size=None, draft_tree=None) -> tuple[float, int]:
+    """Add ``mars_threshold`` / ``mars_block_size`` (and, when given, verify mode's ``mars_draft_tree``, e.g. a
+    shape measured with ``hf-mars bench --draft-trees``) to the folder's generation config, keeping everything else.
 
     Precedence: explicit argument > value already in the generation config > ``config.mars`` > default.
     """
@@ -287,6 +291,10 @@ def write_generation_defaults(save_directory, mars: dict, model=None, config_dic
     _check_defaults(threshold, block_size)
     gen_config.mars_threshold = float(threshold)
     gen_config.mars_block_size = block_size
+    if draft_tree is not None:
+        from hf_mars.generation.config import parse_draft_tree
+
+        gen_config.mars_draft_tree = parse_draft_tree(draft_tree, block_size)  # (B masks with the last one)
     # a config flagged as derived from the model config drops unknown attributes (the MARS defaults) on load
     from hf_mars._compat import keep_generation_extras
 
@@ -295,6 +303,8 @@ def write_generation_defaults(save_directory, mars: dict, model=None, config_dic
     if model is not None and getattr(model, "generation_config", None) is not None:
         model.generation_config.mars_threshold = float(threshold)  # the live model decodes as the saved one
         model.generation_config.mars_block_size = block_size
+        if draft_tree is not None:
+            model.generation_config.mars_draft_tree = gen_config.mars_draft_tree
     return float(threshold), block_size
 
 
@@ -307,11 +317,12 @@ def write_mars_extras(save_directory, model=None, tokenizer=None, training_args=
     Called by MARSTrainer for every checkpoint it saves (after save_pretrained wrote weights,
     config and tokenizer). Writes generation_config.json MARS defaults, custom_generate/ and
     README.md. ``card_fields`` go to the model card (see ``CARD_FIELDS``); ``mars_threshold`` /
-    ``mars_block_size`` set the generation defaults.
+    ``mars_block_size`` / ``mars_draft_tree`` set the generation defaults.
     """
     directory = Path(save_directory)
     check_card_fields(card_fields)
-    _check_defaults(card_fields.get("mars_threshold"), card_fields.get("mars_block_size"))
+    _check_defaults(card_fields.get("mars_threshold"), card_fields.get("mars_block_size"),
+                    card_fields.get("mars_draft_tree"))
     if not directory.is_dir():
         raise ValueError(f"{directory} does not exist; save the model there first (save_pretrained).")
     if (directory / "config.json").is_file():
@@ -336,7 +347,8 @@ def write_mars_extras(save_directory, model=None, tokenizer=None, training_args=
 
     threshold, block_size = write_generation_defaults(
         directory, mars, model=model, config_dict=config_dict,
-        threshold=card_fields.pop("mars_threshold", None), block_size=card_fields.pop("mars_block_size", None))
+        threshold=card_fields.pop("mars_threshold", None), block_size=card_fields.pop("mars_block_size", None),
+        draft_tree=card_fields.pop("mars_draft_tree", None))
     write_custom_generate(directory)
     card = build_model_card(directory, mars, config_dict, threshold, block_size, model=model, tokenizer=tokenizer,
                             training_args=training_args, **card_fields)
@@ -368,7 +380,8 @@ def save_for_hub(model, tokenizer, save_directory, training_args=None, force: bo
     if mars["mask_token_id"] >= model.get_input_embeddings().weight.shape[0]:
         raise ValueError("The mask token id is outside the model's embedding matrix; call `add_mask_token` again.")
     check_card_fields(card_fields)
-    _check_defaults(card_fields.get("mars_threshold"), card_fields.get("mars_block_size"))
+    _check_defaults(card_fields.get("mars_threshold"), card_fields.get("mars_block_size"),
+                    card_fields.get("mars_draft_tree"))
     if card_fields.get("benchmark") is not None:
         benchmark_table(card_fields["benchmark"])  # a malformed report fails before anything is written
     if card_fields.get("repo_id") is not None:

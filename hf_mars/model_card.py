@@ -16,7 +16,7 @@ CARD_TAGS = ["mars", "multi-token-prediction", "custom_generate"]
 REPO_ID_PLACEHOLDER = "path/to/this/checkpoint"  # push_to_hub writes the repo id over it
 CARD_FIELDS = (
     "model_name", "repo_id", "base_model", "datasets", "license", "language", "tags", "description",
-    "benchmark", "example_prompt", "mars_threshold", "mars_block_size",
+    "benchmark", "example_prompt", "mars_threshold", "mars_block_size", "mars_draft_tree",
 )
 _TRAINING_KEYS = [
     ("learning_rate", "learning rate"),

@@ -86,3 +86,19 @@ def test_command_flags_come_from_the_fields():
     with pytest.raises(SystemExit):
         parser.parse_args(["--mars-acceptance", "vibes"])
     assert "entropy" in parser.format_help()
+
+
+def test_draft_tree_option_forms():
+    from hf_mars.generation.config import parse_draft_tree
+
+    assert MARSGenerationConfig().draft_tree == "auto"
+    assert MARSGenerationConfig(verify=True, draft_tree=[2, 1, 1]).draft_tree == "2,1,1"
+    assert MARSGenerationConfig(verify=True, draft_tree=" Chain ").draft_tree == "chain"
+    assert parse_draft_tree((3, 2)) == parse_draft_tree("3, 2") == "3,2"
+    # B = 4 with the last mask (verify's default): 4 depths; without it, 3
+    assert MARSGenerationConfig(verify=True, draft_tree="1,1,1,1").draft_tree == "1,1,1,1"
+    with pytest.raises(ValueError, match="3 draft masks"):
+        MARSGenerationConfig(verify=True, use_last_mask=False, draft_tree="1,1,1,1")
+    for bad in ("", "0", "2,-1", "x", [1.5], True):
+        with pytest.raises(ValueError, match="mars_draft_tree"):
+            parse_draft_tree(bad)

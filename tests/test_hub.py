@@ -188,6 +188,17 @@ def test_model_card_training_args_and_existing_metadata(saved, tmp_path):
     assert "| mars mask loss weight | 0.5 |" in text and "| learning rate | 0.0001 |" in text
     gen = json.loads((ckpt / "generation_config.json").read_text())
     assert gen["mars_threshold"] == 0.9 and gen["mars_block_size"] == 2
+    assert "mars_draft_tree" not in gen  # only a measured choice is saved; unset means 'auto'
+
+    # a draft-tree shape measured for this checkpoint is saved with the generation defaults, and decoding reads it
+    hub.write_mars_extras(ckpt, mars_draft_tree=[2, 1])
+    assert json.loads((ckpt / "generation_config.json").read_text())["mars_draft_tree"] == "2,1"
+    from transformers import GenerationConfig
+
+    from hf_mars.generation import MARSGenerationConfig
+
+    opts = MARSGenerationConfig.resolve(None, GenerationConfig.from_pretrained(ckpt), mars_verify=True)
+    assert opts.draft_tree == "2,1" and "draft_tree" not in opts._from_call  # a saved default, not the call's
 
 
 def test_card_field_errors(saved, tmp_path):
@@ -202,7 +213,9 @@ def test_card_field_errors(saved, tmp_path):
         save_for_hub(model, tok, tmp_path / "w", mars_block_size=0)
     with pytest.raises(ValueError, match="namespace/name"):
         save_for_hub(model, tok, tmp_path / "v", repo_id="no-namespace")
-    assert not any((tmp_path / d).exists() for d in "xyzwv")  # nothing written for bad input
+    with pytest.raises(ValueError, match="mars_draft_tree must be"):
+        save_for_hub(model, tok, tmp_path / "u", mars_draft_tree="0,2")
+    assert not any((tmp_path / d).exists() for d in "xyzwvu")  # nothing written for bad input
 
 
 # --------------------------------------------------------------------------- not a MARS checkpoint
@@ -298,7 +311,7 @@ def _with_training_junk(folder: Path, tmp_path: Path) -> Path:
 EXPECTED_FILES = sorted(["README.md", "chat_template.jinja", "config.json", "custom_generate/requirements.txt",
                          "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
                         + [f"custom_generate/{name}.py" for name in ("api", "cache", "clients", "config", "decoder",
-                                                                       "exact", "generate", "plan", "rules")])
+                                                                       "exact", "generate", "plan", "rules", "tree")])
 
 
 def test_dry_run_lists_exactly_what_upload_folder_commits(saved, tmp_path, monkeypatch, no_network):
