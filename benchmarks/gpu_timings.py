@@ -2,7 +2,9 @@
 
 No weights are needed (shapes are enough for timing). For Qwen2.5-0.5B and -7B shapes it measures,
 at batch 1, 4 and 16 over a ~512-position cache:
-- cost(w): one cached forward of w new positions (w = 1, 1+B, 2B, 16, 32), LM head on the positions a loop reads;
+- cost(w): one cached forward of w new positions (w = 1, 1+B, 2B, 16, 32, and the widths of verify mode's draft
+  trees: `TREES`, 1 + nodes + (nodes + 1) x depth), LM head on the positions a loop reads; for each tree its
+  cost(width)/cost(1), the factor its tokens per forward must beat (the "cost model" of `hf-mars bench`);
 - plain greedy `generate`, its fast path (static cache + torch.compile) and prompt-lookup decoding (batch 1)
   against the MARS loop (tau = 0: every candidate accepted; sliding, block, verify, and verify with the static
   cache + torch.compile): wall time, forward calls, model time per step (synchronised hooks) and the loop's own
@@ -36,6 +38,19 @@ SHAPES = {  # Qwen2.5 configs (hidden, layers, heads, kv heads, intermediate, vo
     "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
 }
+
+
+TREES = ("1,1,1,1", "2,1,1,1", "2,2,1,1", "2,2,2,1", "3,2,2,1", "4,2,2,2")  # verify's draft trees (B = 4)
+
+
+def tree_width(shape: str) -> int:
+    """Positions one tree step forwards: the root, the nodes, and a group of depth masks after the root and each
+    node (hf_mars.generation.tree)."""
+    ks, nodes, level = [int(k) for k in shape.split(",")], 0, 1
+    for k in ks:
+        level *= k
+        nodes += level
+    return 1 + nodes + (nodes + 1) * len(ks)
 
 
 def build(shape: str, device: str):
@@ -81,7 +96,8 @@ def main(argv=None):
     from hf_mars.generation import enable_mars
 
     B = args.block_size
-    widths = sorted({1, 1 + B, 2 * B, 16, 32})
+    trees = {t: tree_width(t) for t in TREES if len(t.split(",")) <= B}
+    widths = sorted({1, 1 + B, 2 * B, 16, 32} | set(trees.values()))
     result = {"gpu": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__, "block_size": B,
               "past": args.past, "shapes": {}}
     for shape in args.shapes:
@@ -93,6 +109,7 @@ def main(argv=None):
             costs = measure_step_costs(model, b, widths, args.past, repeats=20, block_size=B, statistic="median",
                                        device=torch.device(args.device))
             entry["cost_ms"] = {str(w): 1e3 * t for w, t in costs.items()}
+            entry["tree_cost_vs_1"] = {t: costs[w] / costs[1] for t, w in trees.items()}
             g = torch.Generator().manual_seed(0)
             ids = torch.randint(10, min(1000, model.config.vocab_size - 1), (b, args.prompt_len), generator=g).to(args.device)
             mask = torch.ones_like(ids)
@@ -106,6 +123,8 @@ def main(argv=None):
                 "sliding": dict(mars=True, mars_threshold=0.0, mars_block_size=B, mars_cache="sliding"),
                 "block16": dict(mars=True, mars_threshold=0.0, mars_block_size=B, mars_cache="block", mars_cache_block=16),
                 "verify": dict(mars=True, mars_threshold=0.0, mars_block_size=B, mars_verify=True),
+                "verify_chain": dict(mars=True, mars_threshold=0.0, mars_block_size=B, mars_verify=True,
+                                     mars_draft_tree="chain"),
                 "verify_static_compile": dict(mars=True, mars_threshold=0.0, mars_block_size=B, mars_verify=True,
                                               **compiled),
             }
@@ -154,7 +173,7 @@ def main(argv=None):
               "  vs compiled plain")
         for b, e in res["batches"].items():
             c1, cB = e["cost_ms"]["1"], e["cost_ms"][str(1 + B)]
-            for name in ("ar", "ar_static_compile", "prompt_lookup", "sliding", "block16", "verify",
+            for name in ("ar", "ar_static_compile", "prompt_lookup", "sliding", "block16", "verify", "verify_chain",
                          "verify_static_compile"):
                 if name not in e:
                     continue
@@ -165,6 +184,8 @@ def main(argv=None):
                 print(f"{b:>5}  {c1:7.2f}  {cB:9.2f}  {cB / c1:5.2f}  | {name:22} {r['forwards']:4d}  "
                       f"{r['model_ms_per_step']:13.2f}  {r['overhead_ms_per_step']:11.2f}  {r.get('speedup', 1.0):6.2f}x"
                       f"  {r.get('speedup_vs_compiled_plain', float('nan')):6.2f}x")
+            print("       draft trees, cost(width)/cost(1): " + ", ".join(
+                f"{t} (w={tree_width(t)}) {v:.2f}" for t, v in e["tree_cost_vs_1"].items()))
     return 0
 
 

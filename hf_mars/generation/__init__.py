@@ -9,6 +9,8 @@ package ships inside every MARS checkpoint as ``custom_generate/``, see `hf_mars
 - `plan`: a step's per-row counts and its chunk, laid out on the host.
 - `cache`: the KV cache's rollback (crop, 2D mask, compaction, static caches).
 - `decoder`: the rows of one generation and the step loop; `exact`: the path for stateful clients.
+- `tree`: verify mode over draft trees (several candidates per depth, masks after every node).
+- `engine`: rows that join and leave a running batch (in-flight batching for servers).
 - `api`: `mars_generate`, `enable_mars` and the routing of ``generate``.
 """
 
