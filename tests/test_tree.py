@@ -16,6 +16,7 @@ from transformers import (
     StaticCache,
 )
 
+import hf_mars.generation.tree as tree_module
 from hf_mars.generation import enable_mars
 from hf_mars.generation.cache import RollbackCache
 from hf_mars.generation.tree import Tree, _row_pattern
@@ -73,17 +74,33 @@ def _count_gathers(monkeypatch):
 # ------------------------------------------------------------------------------------------ the tree itself
 
 
+def _candidates(*depths):
+    return [[(t, p) for t, p in depth] for depth in depths]
+
+
 def test_tree_grows_depth_first_with_top1_first():
-    tree = Tree.grow([[10, 11], [20, 21], [30]], (2, 2, 1))
+    tree = Tree.grow(_candidates([(10, .6), (11, .3)], [(20, .9), (21, .1)], [(30, .5)]), (2, 2, 1))
     assert tree.tokens == [10, 20, 30, 21, 30, 11, 20, 30, 21, 30]
     assert tree.depths == [1, 2, 3, 2, 3, 1, 2, 3, 2, 3]
     assert tree.parents == [-1, 0, 1, 0, 3, -1, 5, 6, 5, 8]
     assert tree.paths()[2] == [0, 1, 2]  # the all-top-1 path leads the nodes: accepting it is a crop
-    assert Tree.grow([[10, 11]], (2, 2, 1)).tokens == [10, 11]  # fewer candidate depths than the shape
+    assert Tree.grow(_candidates([(10, .6), (11, .3)]), (2, 2, 1)).tokens == [10, 11]  # fewer depths than the shape
+
+
+def test_mask_groups_go_where_the_path_is_likely_to_end():
+    tree = Tree.grow(_candidates([(10, .95)], [(20, .5)], [(30, .99)]), (1, 1, 1))
+    # P(end at root) = .05, at 10: .95 x .5, at 20: .475 x .01, at 30 (the leaf): .47
+    tree.choose_groups(0.03)
+    assert tree.grouped == [-1, 0, 2]
+    tree.choose_groups(0.0)
+    assert tree.grouped == [-1, 0, 1, 2]
+    tree.choose_groups(0.99)
+    assert tree.grouped == [0]  # the likeliest end always keeps its masks
 
 
 def test_attention_pattern_sees_committed_tokens_and_the_path():
-    tree = Tree.grow([[7, 8], [9]], (2, 1))  # nodes: 0 (7), 1 (9 under 7), 2 (8), 3 (9 under 8)
+    tree = Tree.grow(_candidates([(7, .5), (8, .4)], [(9, .5)]), (2, 1))  # nodes 0 (7), 1 (9|7), 2 (8), 3 (9|8)
+    tree.grouped = [-1, 0, 1, 2, 3]
     u, g, left, width = 1, 2, 1, 1 + 1 + 4 + 5 * 2
     flat = _row_pattern(tree, u, g, left, width)
     seen = [[c for c in range(width) if flat[q * width + c]] for q in range(width)]
@@ -116,6 +133,7 @@ def test_deep_paths_off_the_top1_chain(make_model, monkeypatch):
     (a gather, not a crop) to the full depth."""
     model, tok = _token_map_model(make_model, {"a": "b", "b": "c", "c": "y", "y": "y", "z": "z"}, ["z", "y"])
     gathers = _count_gathers(monkeypatch)
+    monkeypatch.setattr(tree_module, "GROUP_MIN_SHARE", 0.0)  # masks after every node (the masks misjudge here)
     for prompts in (["qa"], ["qa", "hello b", "c", "xyz y"]):
         enc = tok(prompts, return_tensors="pt", padding=True)
         ref = _generate(model, enc, max_new_tokens=24)
@@ -130,6 +148,20 @@ def test_deep_paths_off_the_top1_chain(make_model, monkeypatch):
     chain = _generate(model, enc, max_new_tokens=24, mars_verify=True, mars_draft_tree="chain",
                       return_dict_in_generate=True)
     assert torch.equal(chain.sequences, ref) and torch.equal(chain.mars_forward_passes, chain.mars_emitted_tokens)
+
+
+@pytest.mark.parametrize("min_share", [0.0, 0.03, 0.5, 1.0])
+def test_paths_ending_without_masks_draft_from_an_ancestor(make_model, monkeypatch, min_share):
+    """With few mask groups, a path that ends at a node without one takes its next candidates from the later masks
+    of its deepest ancestor that has one: still plain greedy's output, still several tokens per forward."""
+    model, tok = _token_map_model(make_model, {"a": "b", "b": "c", "c": "y", "y": "y", "z": "z"}, ["z", "y"])
+    monkeypatch.setattr(tree_module, "GROUP_MIN_SHARE", min_share)
+    enc = tok(["qa", "hello b", "c", "xyz y"], return_tensors="pt", padding=True)
+    ref = _generate(model, enc, max_new_tokens=24)
+    out = _generate(model, enc, max_new_tokens=24, mars_verify=True, mars_draft_tree="2,2,2,2",
+                    return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert bool((out.mars_emitted_tokens > 1.5 * out.mars_forward_passes).all())
 
 
 def test_eos_inside_the_tree(make_model):

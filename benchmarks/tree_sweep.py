@@ -1,0 +1,125 @@
+"""Verify mode's draft trees on a MARS checkpoint: tokens per forward and wall-clock per tree shape against the
+chain and plain greedy `generate`, batch 1 and a left-padded batch, in one run (the outputs are checked identical).
+
+Timing on a shared machine: every generate call of every setting runs ``--repeats`` times, the settings
+interleaved call by call (plain, chain, each tree, plain, ...), and each call's fastest repeat counts (the least
+disturbed estimate); the sums over the prompts give the speed-ups. Also reported per shape: the width of a tree
+step (1 + nodes + (nodes + 1) x depth) and its measured cost against a 1-token step on this machine
+(`hf_mars.demo.timing.measure_step_costs`), so the gain a tree needs to pay for its width is visible.
+
+    hf-mars demo --output-dir runs/demo
+    python benchmarks/tree_sweep.py --model runs/demo/mars-checkpoint --output benchmarks/tree_sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hf_mars import enable_mars
+from hf_mars.demo.prompts import encode_prompts, load_prompts
+from hf_mars.demo.timing import measure_step_costs
+
+SHAPES = ("chain", "auto", "1,1,1", "2,1,1,1", "2,2,1,1", "3,2,1,1", "2,2,2,2")
+
+
+def tree_width(shape: str, depth: int) -> int:
+    """Columns of one tree step: the root, the nodes, a group of ``depth`` masks after the root and each node."""
+    if shape == "chain":
+        return 1 + 2 * depth
+    ks = [1] * depth if shape == "auto" else [int(k) for k in shape.split(",")]
+    nodes, level = 0, 1
+    for k in ks:
+        level *= k
+        nodes += level
+    return 1 + nodes + (nodes + 1) * len(ks)
+
+
+def batches(tok, ids, b):
+    out = []
+    for i in range(0, len(ids), b):
+        enc = tok.pad({"input_ids": ids[i:i + b]}, return_tensors="pt", padding_side="left")
+        out.append((enc["input_ids"], enc["attention_mask"]))
+    return out
+
+
+def run(args):
+    torch.set_num_threads(args.threads)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    model = enable_mars(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval())
+    depth = model.config.mars["block_size"]  # verify reads B masks (the last one too) by default
+    records = load_prompts(limit=args.num_prompts)
+    ids = encode_prompts(tok, [r["prompt"] for r in records])
+    settings = {"plain": {}} | {s: {"mars_verify": True, "mars_draft_tree": s} for s in args.shapes}
+    result = {"model": args.model, "threads": args.threads, "num_prompts": len(ids), "repeats": args.repeats,
+              "max_new_tokens": args.max_new_tokens, "batches": {}}
+    for b in args.batch_sizes:
+        calls = batches(tok, ids, b)
+        best = {name: [float("inf")] * len(calls) for name in settings}
+        outs, forwards, emitted = {}, {}, {}
+        for name, kw in settings.items():  # warm-up + outputs and counts
+            seqs, fw, em = [], 0, 0
+            for x, am in calls:
+                o = model.generate(input_ids=x, attention_mask=am, max_new_tokens=args.max_new_tokens,
+                                   do_sample=False, return_dict_in_generate=True, **kw)
+                seqs.append(o.sequences[:, x.shape[1]:].tolist())
+                if hasattr(o, "mars_forward_passes"):
+                    fw += int(o.mars_forward_passes.sum())
+                    em += int(o.mars_emitted_tokens.sum())
+            outs[name], forwards[name], emitted[name] = seqs, fw, em
+        for _ in range(args.repeats):
+            for j, (x, am) in enumerate(calls):
+                for name, kw in settings.items():
+                    t0 = time.perf_counter()
+                    model.generate(input_ids=x, attention_mask=am, max_new_tokens=args.max_new_tokens,
+                                   do_sample=False, **kw)
+                    best[name][j] = min(best[name][j], time.perf_counter() - t0)
+        past = int(sum(map(len, ids)) / len(ids) + args.max_new_tokens / 2)
+        widths = sorted({1} | {tree_width(s, depth) for s in args.shapes})
+        costs = measure_step_costs(model, b, widths, past, args.cost_repeats, block_size=depth)
+        plain = sum(best["plain"])
+        rows = {}
+        for name in args.shapes:
+            w = tree_width(name, depth)
+            rows[name] = {
+                "identical_to_plain": outs[name] == outs["plain"],
+                "tokens_per_forward": round(emitted[name] / forwards[name], 3),
+                "width": w, "cost_vs_1": round(costs[w] / costs[1], 3),
+                "speedup_vs_plain": round(plain / sum(best[name]), 3),
+                "speedup_vs_chain": round(sum(best["chain"]) / sum(best[name]), 3) if "chain" in best else None,
+            }
+        result["batches"][str(b)] = {"plain_seconds": round(plain, 3), "cost_1_ms": round(costs[1] * 1e3, 3),
+                                     "rows": rows}
+        print(f"batch {b} (cost(1) {costs[1] * 1e3:.2f} ms at cache length {past})")
+        print("| tree | identical | tokens/forward | step width | cost(width)/cost(1) | vs plain | vs chain |")
+        print("|---|---|---|---|---|---|---|")
+        for name, r in rows.items():
+            print(f"| {name} | {r['identical_to_plain']} | {r['tokens_per_forward']:.2f} | {r['width']} | "
+                  f"{r['cost_vs_1']:.2f} | {r['speedup_vs_plain']:.2f}× | {r['speedup_vs_chain']:.2f}× |", flush=True)
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--cost-repeats", type=int, default=30)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--output", default=None)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
