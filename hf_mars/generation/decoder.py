@@ -11,6 +11,7 @@ caches (a window counts cache columns; a static cache has no room for ragged col
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 
@@ -36,6 +37,19 @@ from .rules import (
 # model kwargs the loop manages itself ("past_key_values" is the cache's name before transformers 5.2x)
 LOOP_KWARGS = ("cache", "past_key_values", "attention_mask", "position_ids", "use_cache", "logits_to_keep",
                "inputs_embeds")
+
+
+@functools.lru_cache(maxsize=64)
+def _forward_takes_logits_to_keep(forward) -> bool:
+    return "logits_to_keep" in inspect.signature(forward).parameters
+
+
+def takes_logits_to_keep(model) -> bool:
+    """Whether the model's forward can skip the LM head on columns nobody reads (read once per model class: a
+    signature costs ~0.2 ms, a short answer's whole set-up is a few ms)."""
+    forward = getattr(type(model), "forward", None)
+    return _forward_takes_logits_to_keep(forward) if forward is not None else (
+        "logits_to_keep" in inspect.signature(model.forward).parameters)
 
 
 def cache_key(model_kwargs) -> str:
@@ -183,7 +197,7 @@ class MARSDecoder:
                 shape.fixed_width = (1 + shape.max_drafts if opts.verify else shape.candidates) + shape.candidates - 1
         self.cache_key = cache_key(model_kwargs)
         self.extra_forward_kwargs = {k: v for k, v in model_kwargs.items() if k not in LOOP_KWARGS}
-        self.supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.supports_logits_to_keep = takes_logits_to_keep(model)
 
     # ---------------------------------------------------------------- one step
     def step(self) -> bool:
