@@ -3,9 +3,11 @@ chain and plain greedy `generate`, batch 1 and a left-padded batch, in one run (
 
 Timing on a shared machine: every generate call of every setting runs ``--repeats`` times, the settings
 interleaved call by call (plain, chain, each tree, plain, ...), and each call's fastest repeat counts (the least
-disturbed estimate); the sums over the prompts give the speed-ups. Also reported per shape: the width of a tree
-step (1 + nodes + (nodes + 1) x depth) and its measured cost against a 1-token step on this machine
-(`hf_mars.demo.timing.measure_step_costs`), so the gain a tree needs to pay for its width is visible.
+disturbed estimate); the sums over the prompts give the speed-ups. Also reported per shape: the widest tree step
+(1 + nodes + (nodes + 1) x depth: a mask group after every node), the mean width of the steps really forwarded
+(groups go only where the path is likely to end) and their measured cost against a 1-token step on this machine
+(`hf_mars.demo.timing.measure_step_costs`), and the limit tokens/forward x cost(1)/cost(mean width): the speed-up
+over plain decoding with no loop overhead.
 
     hf-mars demo --output-dir runs/demo
     python benchmarks/tree_sweep.py --model runs/demo/mars-checkpoint --output benchmarks/tree_sweep.json
@@ -61,17 +63,25 @@ def run(args):
     for b in args.batch_sizes:
         calls = batches(tok, ids, b)
         best = {name: [float("inf")] * len(calls) for name in settings}
-        outs, forwards, emitted = {}, {}, {}
-        for name, kw in settings.items():  # warm-up + outputs and counts
-            seqs, fw, em = [], 0, 0
+        outs, forwards, emitted, mean_width = {}, {}, {}, {}
+        for name, kw in settings.items():  # warm-up + outputs, counts and the widths really forwarded
+            seqs, fw, em, widths = [], 0, 0, []
             for x, am in calls:
-                o = model.generate(input_ids=x, attention_mask=am, max_new_tokens=args.max_new_tokens,
-                                   do_sample=False, return_dict_in_generate=True, **kw)
+                seen = []
+                hook = model.register_forward_pre_hook(
+                    lambda mod, a, k, seen=seen: seen.append(k["input_ids"].shape[1]), with_kwargs=True)
+                try:
+                    o = model.generate(input_ids=x, attention_mask=am, max_new_tokens=args.max_new_tokens,
+                                       do_sample=False, return_dict_in_generate=True, **kw)
+                finally:
+                    hook.remove()
+                widths += seen[1:]  # decode steps (the first forward is the prefill)
                 seqs.append(o.sequences[:, x.shape[1]:].tolist())
                 if hasattr(o, "mars_forward_passes"):
                     fw += int(o.mars_forward_passes.sum())
                     em += int(o.mars_emitted_tokens.sum())
             outs[name], forwards[name], emitted[name] = seqs, fw, em
+            mean_width[name] = sum(widths) / max(len(widths), 1)
         for _ in range(args.repeats):
             for j, (x, am) in enumerate(calls):
                 for name, kw in settings.items():
@@ -80,27 +90,33 @@ def run(args):
                                    do_sample=False, **kw)
                     best[name][j] = min(best[name][j], time.perf_counter() - t0)
         past = int(sum(map(len, ids)) / len(ids) + args.max_new_tokens / 2)
-        widths = sorted({1} | {tree_width(s, depth) for s in args.shapes})
+        widths = sorted({1} | {tree_width(s, depth) for s in args.shapes}
+                        | {max(1, round(mean_width[s])) for s in args.shapes})
         costs = measure_step_costs(model, b, widths, past, args.cost_repeats, block_size=depth)
         plain = sum(best["plain"])
         rows = {}
         for name in args.shapes:
-            w = tree_width(name, depth)
+            w, mean = tree_width(name, depth), max(1, round(mean_width[name]))
             rows[name] = {
                 "identical_to_plain": outs[name] == outs["plain"],
                 "tokens_per_forward": round(emitted[name] / forwards[name], 3),
                 "width": w, "cost_vs_1": round(costs[w] / costs[1], 3),
+                "mean_width": round(mean_width[name], 2), "mean_cost_vs_1": round(costs[mean] / costs[1], 3),
+                "limit_vs_plain": round(emitted[name] / forwards[name] * costs[1] / costs[mean], 3),
                 "speedup_vs_plain": round(plain / sum(best[name]), 3),
                 "speedup_vs_chain": round(sum(best["chain"]) / sum(best[name]), 3) if "chain" in best else None,
             }
         result["batches"][str(b)] = {"plain_seconds": round(plain, 3), "cost_1_ms": round(costs[1] * 1e3, 3),
                                      "rows": rows}
         print(f"batch {b} (cost(1) {costs[1] * 1e3:.2f} ms at cache length {past})")
-        print("| tree | identical | tokens/forward | step width | cost(width)/cost(1) | vs plain | vs chain |")
-        print("|---|---|---|---|---|---|---|")
+        print("| tree | identical | tokens/forward | widest step (cost/cost(1)) | mean step (cost/cost(1)) | "
+              "limit vs plain | vs plain | vs chain |")
+        print("|---|---|---|---|---|---|---|---|")
         for name, r in rows.items():
-            print(f"| {name} | {r['identical_to_plain']} | {r['tokens_per_forward']:.2f} | {r['width']} | "
-                  f"{r['cost_vs_1']:.2f} | {r['speedup_vs_plain']:.2f}× | {r['speedup_vs_chain']:.2f}× |", flush=True)
+            print(f"| {name} | {r['identical_to_plain']} | {r['tokens_per_forward']:.2f} | {r['width']} "
+                  f"({r['cost_vs_1']:.2f}) | {r['mean_width']:.1f} ({r['mean_cost_vs_1']:.2f}) | "
+                  f"{r['limit_vs_plain']:.2f}× | {r['speedup_vs_plain']:.2f}× | {r['speedup_vs_chain']:.2f}× |",
+                  flush=True)
     if args.output:
         with open(args.output, "w") as f:
             json.dump(result, f, indent=2)
