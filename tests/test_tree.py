@@ -138,8 +138,7 @@ def test_deep_paths_off_the_top1_chain(make_model, monkeypatch):
     (a gather, not a crop) to the full depth."""
     model, tok = _token_map_model(make_model, {"a": "b", "b": "c", "c": "y", "y": "y", "z": "z"}, ["z", "y"])
     gathers = _count_gathers(monkeypatch)
-    for name in ("GROUP_MIN_SHARE", "GROUP_MIN_SHARE_BATCHED"):  # masks after every node (the masks misjudge here)
-        monkeypatch.setattr(tree_module, name, 0.0)
+    monkeypatch.setattr(tree_module, "GROUP_MIN_SHARE", 0.0)  # masks after every node (the masks misjudge here)
     for prompts in (["qa"], ["qa", "hello b", "c", "xyz y"]):
         enc = tok(prompts, return_tensors="pt", padding=True)
         ref = _generate(model, enc, max_new_tokens=24)
@@ -161,8 +160,7 @@ def test_paths_ending_without_masks_draft_from_an_ancestor(make_model, monkeypat
     """With few mask groups, a path that ends at a node without one takes its next candidates from the later masks
     of its deepest ancestor that has one: still plain greedy's output, still several tokens per forward."""
     model, tok = _token_map_model(make_model, {"a": "b", "b": "c", "c": "y", "y": "y", "z": "z"}, ["z", "y"])
-    for name in ("GROUP_MIN_SHARE", "GROUP_MIN_SHARE_BATCHED"):
-        monkeypatch.setattr(tree_module, name, min_share)
+    monkeypatch.setattr(tree_module, "GROUP_MIN_SHARE", min_share)
     enc = tok(["qa", "hello b", "c", "xyz y"], return_tensors="pt", padding=True)
     ref = _generate(model, enc, max_new_tokens=24)
     out = _generate(model, enc, max_new_tokens=24, mars_verify=True, mars_draft_tree="2,2,2,2",

@@ -33,12 +33,11 @@ _logger = _hf_logging.get_logger(__name__)
 TREE_ATTENTION = ("sdpa", "eager")  # attention implementations that take a prepared 4D float mask as it is
 # a node gets a group of masks only where the accepted path ends with an estimated probability >= this: each group
 # costs D chunk columns, and a path that ends without one drafts from its deepest grouped ancestor's later masks.
-# Measured on the demo checkpoint (CPU, 48 held-out prompts, best of 3, against the chain's wall-clock): one row:
+# Measured on the demo checkpoint (CPU, 48 held-out prompts, best of 3, against the chain's wall-clock): batch 1:
 # 0 (a group after every node) 3.03 tokens/forward at 1.00x; 0.03: 3.02 at 1.07x; 0.1: 2.99 at 1.08-1.13x; 0.5:
-# 2.80 at 1.02x. Four rows (a wider step costs more there): 0.03: 3.02 at 0.95x; 0.1: 2.99 at 0.97x; 0.3: 2.90 at
-# 1.03x; 1.0: 2.80 at 1.01x
-GROUP_MIN_SHARE = 0.03  # one row in the step
-GROUP_MIN_SHARE_BATCHED = 0.3  # several
+# 2.80 at 1.02x. Batch 4 (a wider step costs more there): 0.03: 3.02 at 0.95x; 0.1: 2.99 at 0.97x; 0.3: 2.90 at
+# 1.03x; 1.0: 2.80 at 1.01x. (On a GPU a wider step costs little: more groups should pay there.)
+GROUP_MIN_SHARE = 0.03
 PROB_SCALE = 1 << 20  # probabilities cross to the host as integers beside the token ids (one copy)
 
 
@@ -208,7 +207,6 @@ class TreeDecoder(MARSDecoder):
         b, rows, opts = self.batch, self.rows, self.opts
         plan = TreePlan(active=list(rows.unfinished), trees=[Tree([], [], []) for _ in range(b)],
                         uncached=[0] * b, groups=[0] * b, lens=[0] * b)
-        min_share = GROUP_MIN_SHARE if sum(rows.unfinished) == 1 else GROUP_MIN_SHARE_BATCHED
         for r in range(b):
             if not rows.unfinished[r]:
                 continue
@@ -216,7 +214,7 @@ class TreeDecoder(MARSDecoder):
             depth = min(remaining, opts.max_accept or remaining) - 1  # the nodes + the AR token must fit
             one = self._one_token(r)
             tree = plan.trees[r] = Tree.grow([] if one else rows.drafts[r][:depth], self.tree_shape)
-            tree.choose_groups(min_share)
+            tree.choose_groups(GROUP_MIN_SHARE)
             plan.uncached[r] = rows.emitted[r] - rows.fed[r]
             plan.groups[r] = 0 if one else self.group
             plan.lens[r] = plan.uncached[r] + len(tree.tokens) + len(tree.grouped) * plan.groups[r]
