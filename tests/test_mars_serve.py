@@ -76,6 +76,16 @@ def test_tau_ladder_parses_and_refuses_bad_specs():
             TauLadder(bad)
 
 
+def test_draft_tree_flag_needs_lossless_and_a_valid_shape(capsys):
+    """--mars-draft-tree is refused at start-up (exit 2, one line) without --lossless or with a bad shape."""
+    from hf_mars.cli import main
+
+    for flags, says in ((["--mars-draft-tree", "2,1"], "pass --lossless"),
+                        (["--lossless", "--mars-draft-tree", "0,1"], "ints >= 1")):
+        assert main(["serve", "no-such-model", *flags]) == 2
+        assert says in capsys.readouterr().err
+
+
 def test_waiting_requests_decode_together_lossless_equals_greedy(tiny):
     model, tok = tiny
     manager = MARSBatchingManager(TauLadder("0:1.0,2:0.5"), lossless=True, max_batch_size=8)

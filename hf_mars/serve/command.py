@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 
-from ..generation.config import MARSGenerationConfig
+from ..generation.config import MARSGenerationConfig, parse_draft_tree
 from .ladder import TauLadder
 
-SERVER_OPTIONS = ("acceptance", "block_size")  # server-wide MARS options (τ: the ladder; verify: --lossless)
+# server-wide MARS options (τ: the ladder; verify: --lossless; its draft tree: --mars-draft-tree)
+SERVER_OPTIONS = ("acceptance", "block_size", "draft_tree")
 
 
 def add_arguments(p):
@@ -112,6 +113,10 @@ def run(args):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}")
     options = MARSGenerationConfig.from_arguments(args, SERVER_OPTIONS)
+    if "mars_draft_tree" in options:
+        if not args.lossless:
+            raise ValueError("--mars-draft-tree shapes lossless (verify) decoding: pass --lossless with it.")
+        parse_draft_tree(options["mars_draft_tree"])  # a clear error now, not on the first request
     app = build_app(args.model, ladder, served_model_name=args.served_model_name, lossless=args.lossless,
                     max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                     max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
