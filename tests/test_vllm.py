@@ -91,7 +91,7 @@ def checkpoint(tmp_path_factory):
     from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
 
     tok = build_char_tokenizer()
-    model = tiny_qwen2(tok, seed=0, max_position_embeddings=256)
+    model = tiny_qwen2(tok, seed=0, max_position=256, num_heads=2, num_kv_heads=1)  # head_dim 32: vLLM CPU attention has no 16
     add_mask_token(model, tok)
     model.config.mars = {**model.config.mars, "block_size": BLOCK, "mask_token": "<|mask|>"}
     path = tmp_path_factory.mktemp("mars-ckpt")
@@ -270,3 +270,17 @@ def test_demo_checkpoint_drafts_are_accepted():
     steps = after["vllm:spec_decode_num_drafts"] - before.get("vllm:spec_decode_num_drafts", 0)
     accepted = after["vllm:spec_decode_num_accepted_tokens"] - before.get("vllm:spec_decode_num_accepted_tokens", 0)
     assert all(out) and 1 + accepted / steps >= 2.0
+
+
+@needs_vllm
+def test_cpu_expand_replacement_matches_vllms_semantics():
+    """The plain-torch stand-in for vLLM's per-request → per-draft-token expansion (see _patches.py)."""
+    import torch
+
+    from hf_mars.vllm._patches import expand_batch_to_tokens
+
+    out = expand_batch_to_tokens(torch.tensor([0.5, -1.0, 2.0]), torch.tensor([1, 3, 6], dtype=torch.int32), 6,
+                                 replace_from=-1, replace_to=1)
+    assert out.tolist() == [0.5, 1.0, 1.0, 2.0, 2.0, 2.0]
+    top_k = expand_batch_to_tokens(torch.tensor([5, 7], dtype=torch.int32), torch.tensor([0, 2]), 2)
+    assert top_k.dtype == torch.int32 and top_k.tolist() == [7, 7]

