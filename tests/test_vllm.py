@@ -44,12 +44,20 @@ def test_speculative_config_builds_and_refuses_unknown_options():
         speculative_config(num_speculative_tokens=4)
     with pytest.raises(ValueError, match="block_size"):
         speculative_config(block_size=0)
+    assert speculative_config(batch_ladder="1:4,16:2,48:0")["batch_ladder"] == "1:4,16:2,48:0"
+    for bad in ("4:4", "1:4,1:2", "1:4,x", "1:-1"):
+        with pytest.raises(ValueError, match="batch_ladder"):
+            speculative_config(batch_ladder=bad)
 
 
 def test_translation_to_vllm_and_refusals():
     assert options.to_vllm({"method": "mars"}, _config()) == {
         "method": "custom_class", "model": options.PROPOSER, "num_speculative_tokens": 2 * BLOCK}
     assert options.to_vllm({"method": "mars", "block_size": 2}, _config())["num_speculative_tokens"] == 4
+    laddered = options.to_vllm({"method": "mars", "batch_ladder": "1:4,16:2,48:0"}, _config())
+    assert laddered["num_speculative_tokens_per_batch_size"] == [(1, 15, 8), (16, 47, 4), (48, 1 << 20, 0)]
+    with pytest.raises(ValueError, match="above block_size"):
+        options.to_vllm({"method": "mars", "block_size": 2, "batch_ladder": "1:4"}, _config())
     with pytest.raises(ValueError, match="larger than the trained"):
         options.to_vllm({"method": "mars", "block_size": BLOCK + 1}, _config())
     with pytest.raises(ValueError, match="cannot be combined"):
@@ -153,6 +161,17 @@ def test_lossless_batch_1_and_burst_equal_plain_greedy(engines):
     burst_plain, burst_mars = _tokens(plain, prompts), _tokens(mars, prompts)
     assert burst_mars == burst_plain
     assert sum(map(len, burst_mars)) > 24  # a real generation, not empty outputs
+
+
+@needs_vllm
+def test_lossless_with_a_batch_ladder(engines, checkpoint):
+    """Under batch_ladder the block size changes with the batch (4, 2, then plain steps) as requests finish;
+    greedy output stays plain vLLM's."""
+    plain, _ = engines
+    prompts = _prompts(24, seed=4)
+    laddered = _llm(checkpoint, speculative_config(batch_ladder="1:4,4:2,12:0"))
+    assert _tokens(laddered, prompts) == _tokens(plain, prompts)
+    del laddered
 
 
 @needs_vllm

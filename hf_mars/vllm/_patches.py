@@ -45,6 +45,10 @@ def check_contracts() -> list[str]:
     if runner_params[:len(_RUNNER_ARGS)] != list(_RUNNER_ARGS):
         problems.append(f"GPUModelRunner.propose_draft_token_ids takes {runner_params}, expected {_RUNNER_ARGS}...")
     fields = getattr(SpecDecodeMetadata, "__dataclass_fields__", {})
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    if "num_spec_tokens_to_schedule" not in getattr(SchedulerOutput, "__dataclass_fields__", {}):
+        problems.append("SchedulerOutput has no field 'num_spec_tokens_to_schedule'")
     for name in ("draft_token_ids", "num_draft_tokens"):
         if name not in fields:
             problems.append(f"SpecDecodeMetadata has no field {name!r}")
@@ -147,7 +151,8 @@ def _mars_drafts(original):
             self._draft_probs = None
             self._draft_prob_req_ids = None
             return self.drafter.propose_mars(sampled_token_ids, sample_hidden_states, spec_decode_metadata,
-                                             self.input_batch.num_tokens_no_spec)
+                                             self.input_batch.num_tokens_no_spec,
+                                             scheduler_output.num_spec_tokens_to_schedule)
         return original(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                         sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs)
 

@@ -10,21 +10,47 @@ from __future__ import annotations
 
 METHOD = "mars"
 PROPOSER = "hf_mars.vllm.proposer.MarsProposer"
-OPTIONS = ("block_size",)  # what a user may set next to the method; everything else comes from config.mars
+OPTIONS = ("block_size", "batch_ladder")  # what a user may set next to the method; the rest comes from config.mars
 
 
 def speculative_config(**options) -> dict:
     """The ``speculative_config`` for ``vllm.LLM`` / ``--speculative-config``: ``{"method": "mars", **options}``.
 
     ``block_size``: how many mask tokens (and so drafts) per step, at most the trained block size (the
-    default). Unknown options are refused here rather than deep inside engine start-up."""
+    default). ``batch_ladder``: ``"BATCH:B,..."``, the block size by the number of requests in a step's batch,
+    e.g. ``"1:4,16:2,48:0"`` (B = 0: plain steps, no masks); it runs on vLLM's dynamic speculative decoding
+    (``num_speculative_tokens_per_batch_size``). Unknown options are refused here rather than deep inside engine
+    start-up."""
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ValueError(f"hf_mars.vllm.speculative_config: unknown option(s) {unknown}; MARS takes only "
                          f"{list(OPTIONS)} (B and the mask token come from the checkpoint's config.mars).")
     if "block_size" in options:
         _check_block_size(options["block_size"])
+    if "batch_ladder" in options:
+        parse_batch_ladder(options["batch_ladder"])
     return {"method": METHOD, **options}
+
+
+def parse_batch_ladder(spec) -> list[tuple[int, int]]:
+    """``"1:4,16:2,48:0"`` -> [(1, 4), (16, 2), (48, 0)]: from a batch of 1 request B = 4, from 16 B = 2, from 48
+    plain steps. Why by batch size: a MARS step feeds 2B + 1 positions per request; at large batches a forward is
+    compute-bound and those extra positions cost more than the accepted drafts save."""
+    rungs = []
+    for part in str(spec).split(","):
+        batch, sep, block = part.strip().partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            rungs.append((int(batch), int(block)))
+        except ValueError:
+            raise ValueError(f"batch_ladder: {part.strip()!r} is not BATCH:B (e.g. '1:4,16:2,48:0')") from None
+    batches = [b for b, _ in rungs]
+    if batches[0] != 1 or batches != sorted(set(batches)):
+        raise ValueError(f"batch_ladder: batch sizes must start at 1 and increase strictly, got {batches}")
+    if any(block < 0 for _, block in rungs):
+        raise ValueError(f"batch_ladder: block sizes must be >= 0, got {[b for _, b in rungs]}")
+    return rungs
 
 
 def is_mars(spec) -> bool:
@@ -96,4 +122,11 @@ def to_vllm(spec: dict, hf_config) -> dict:
     if block > trained:
         raise ValueError(f"MARS block_size={block} is larger than the trained block size {trained}: masks beyond "
                          "the trained distance predict poorly.")
-    return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": 2 * block}
+    out = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": 2 * block}
+    if "batch_ladder" in spec:
+        rungs = parse_batch_ladder(spec["batch_ladder"])
+        if max(b for _, b in rungs) > block:
+            raise ValueError(f"batch_ladder: a block size above block_size={block} (the trained or given one).")
+        ends = [start - 1 for start, _ in rungs[1:]] + [1 << 20]
+        out["num_speculative_tokens_per_batch_size"] = [(s, e, 2 * b) for (s, b), e in zip(rungs, ends)]
+    return out

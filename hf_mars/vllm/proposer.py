@@ -57,12 +57,15 @@ class MarsProposer:
         raise RuntimeError(MISSING_PATCH)
 
     @torch.inference_mode()
-    def propose_mars(self, sampled_token_ids, sample_hidden_states, spec_decode_metadata, num_tokens_no_spec):
+    def propose_mars(self, sampled_token_ids, sample_hidden_states, spec_decode_metadata, num_tokens_no_spec,
+                     num_spec_tokens=None):
         """Next speculative tokens per request, in batch order: ``[new drafts | B masks]``.
 
         ``sample_hidden_states`` holds, per request, one row per scheduled speculative token plus one (vLLM's
         logits rows); ``spec_decode_metadata`` says how many and which tokens were scheduled (None when none
-        were). The masks are the scheduled tokens equal to the mask id (a draft never is: its logit is -inf)."""
+        were). The masks are the scheduled tokens equal to the mask id (a draft never is: its logit is -inf).
+        ``num_spec_tokens``: what vLLM's scheduler allows next step (2B, or less under ``batch_ladder``)."""
+        block = self.block if num_spec_tokens is None else min(self.block, num_spec_tokens // 2)
         counts = [0] * len(sampled_token_ids)
         scheduled: list = []
         if spec_decode_metadata is not None:
@@ -72,7 +75,7 @@ class MarsProposer:
         for i, (n, sampled) in enumerate(zip(counts, sampled_token_ids)):
             mine = scheduled[start:start + n]
             real = mine.index(self.mask_id) if self.mask_id in mine else n
-            if sampled and real < n and len(sampled) == real + 1:  # every draft accepted, bonus at the 1st mask
+            if block and sampled and real < n and len(sampled) == real + 1:  # all drafts accepted, bonus at 1st mask
                 rows.extend(range(offset + real + 1, offset + n + 1))
                 owners.append((i, n - real))
             offset, start = offset + n + 1, start + n
@@ -85,10 +88,10 @@ class MarsProposer:
                 drafts[i], at = tokens[at:at + n], at + n
         out = []
         for i, sampled in enumerate(sampled_token_ids):
-            if not sampled:  # a prefill chunk or a discarded row: nothing to draft from
+            if not sampled or not block:  # a prefill chunk, a discarded row, or a plain step (batch_ladder)
                 out.append([])
                 continue
-            proposal = drafts.get(i, [])[:self.block] + [self.mask_id] * self.block
+            proposal = drafts.get(i, [])[:block] + [self.mask_id] * block
             room = max(self.max_model_len - int(num_tokens_no_spec[i]) - 1, 0)
             out.append(proposal[:room])
         return out
