@@ -3,9 +3,10 @@
 For each engine setting one OpenAI-compatible vLLM server is started (in this script's environment, which must
 have vLLM and hf-mars installed: the plugin makes {"method": "mars"} available) and the demo's 192 held-out
 questions are sent: one request at a time, all at once (a burst), and as Poisson arrivals at 0.5, 1 and 2 times
-plain vLLM's burst throughput. `mars_ladder` is MARS with `batch_ladder` (fewer masks in large batches). Per scenario: mean acceptance length (tokens per target forward, from vLLM's own
-`vllm:spec_decode_*` counters), requests/s, p50/p95 latency, accuracy, requests lost, and, for speculative
-settings, how many answers equal plain vLLM's (greedy: lossless means all).
+plain vLLM's burst throughput (`mars_ladder` is MARS with `batch_ladder`: fewer masks in large batches). Per
+scenario: mean acceptance length (tokens per target forward over the steps that drafted, from vLLM's own
+`vllm:spec_decode_*` counters), requests/s, p50/p95 latency, accuracy, requests lost, and how many answers equal
+plain vLLM's (greedy: lossless means all).
 
     VLLM_CPU_KVCACHE_SPACE=1 python benchmarks/engines/vllm_mars.py --model /path/to/mars-checkpoint \
         --out benchmarks/engines/vllm_mars.json
@@ -35,8 +36,8 @@ SETTINGS = {  # name -> --speculative-config (None: plain)
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
     "mars": {"method": "mars"},
-    # B by the number of requests in a step: B = 4 up to 15, 2 up to 63, plain steps from 64 (vLLM's dynamic SD)
-    "mars_ladder": {"method": "mars", "batch_ladder": "1:4,16:2,64:0"},
+    # B by the number of requests in a step: B = 4 up to 3, 2 up to 11, plain steps from 12 (vLLM's dynamic SD)
+    "mars_ladder": {"method": "mars", "batch_ladder": "1:4,4:2,12:0"},
 }
 
 
