@@ -164,17 +164,6 @@ def test_lossless_batch_1_and_burst_equal_plain_greedy(engines):
 
 
 @needs_vllm
-def test_lossless_with_a_batch_ladder(engines, checkpoint):
-    """Under batch_ladder the block size changes with the batch (4, 2, then plain steps) as requests finish;
-    greedy output stays plain vLLM's."""
-    plain, _ = engines
-    prompts = _prompts(24, seed=4)
-    laddered = _llm(checkpoint, speculative_config(batch_ladder="1:4,4:2,12:0"))
-    assert _tokens(laddered, prompts) == _tokens(plain, prompts)
-    del laddered
-
-
-@needs_vllm
 def test_acceptance_metrics_present_and_consistent(engines, checkpoint):
     """Every decode step is a drafting step (B masks at least), so vLLM's counters account for every token:
     tokens = one per request from the prefill + (accepted + 1) per step, less what max_tokens cut off."""
@@ -306,3 +295,15 @@ def test_cpu_expand_replacement_matches_vllms_semantics():
     assert out.tolist() == [0.5, 1.0, 1.0, 2.0, 2.0, 2.0]
     top_k = expand_batch_to_tokens(torch.tensor([5, 7], dtype=torch.int32), torch.tensor([0, 2]), 2)
     assert top_k.dtype == torch.int32 and top_k.tolist() == [7, 7]
+
+
+@needs_vllm
+def test_lossless_with_a_batch_ladder(engines, checkpoint):
+    """Under batch_ladder the block size changes with the batch (4, 2, then plain steps) as requests finish;
+    greedy output stays plain vLLM's. Last in the file: a new LLM in this process takes over vLLM's process-wide
+    Prometheus metrics, which the metrics test reads from the module's engine."""
+    plain, _ = engines
+    prompts = _prompts(24, seed=4)
+    laddered = _llm(checkpoint, speculative_config(batch_ladder="1:4,4:2,12:0"))
+    assert _tokens(laddered, prompts) == _tokens(plain, prompts)
+    del laddered
