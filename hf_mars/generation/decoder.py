@@ -47,9 +47,7 @@ def _forward_takes_logits_to_keep(forward) -> bool:
 def takes_logits_to_keep(model) -> bool:
     """Whether the model's forward can skip the LM head on columns nobody reads (read once per model class: a
     signature costs ~0.2 ms, a short answer's whole set-up is a few ms)."""
-    forward = getattr(type(model), "forward", None)
-    return _forward_takes_logits_to_keep(forward) if forward is not None else (
-        "logits_to_keep" in inspect.signature(model.forward).parameters)
+    return _forward_takes_logits_to_keep(type(model).forward)
 
 
 def cache_key(model_kwargs) -> str:

@@ -182,7 +182,7 @@ class TreeDecoder(MARSDecoder):
         decision, paths, emit_slots = self._decide_tree(plan, slot_logits, trees, groups)
         accepted = [len(t) for t in decision.tokens]
         if self.records is not None:
-            self.records.append(self._path_records(decision.scores, slot_logits, emit_slots, accepted))
+            self.records.append(self._path_records(decision.scores, emit_slots, accepted))
         rows = self.rows
         finished = [plan.active[r] and (decision.stopped[r] or rows.emitted[r] + accepted[r] >= rows.limit[r])
                     for r in range(self.batch)]
@@ -317,7 +317,7 @@ class TreeDecoder(MARSDecoder):
         index = index.view(self.batch, width)
         return tensor.gather(1, index[:, :, None].expand(-1, -1, tensor.shape[-1]))
 
-    def _path_records(self, scores, slot_logits, emit_slots, accepted):
+    def _path_records(self, scores, emit_slots, accepted):
         return (self._in_path_order(scores, emit_slots) if self.output_scores else None,
                 self._in_path_order(self._raw, emit_slots) if self.output_logits else None, accepted)
 
