@@ -664,7 +664,7 @@ def test_library_reference_loop_matches_fast_loop_and_test_reference(peaky, tau,
 @pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["batch1", "batch4"])
 def test_static_cache_tau1_and_verify_equal_greedy(peaky, prompts):
     """cache_implementation="static": dropping the masks moves the write position back; the cache generate built
-    for plain decoding is replaced by one a step larger; rows move in lockstep (no pad columns pile up)."""
+    for plain decoding is replaced by one a step larger (rows accept their own counts: see the next test)."""
     model, tok = peaky
     enc = tok(prompts, return_tensors="pt", padding=True)
     plain = _greedy(model, enc, max_new_tokens=24)
@@ -675,6 +675,45 @@ def test_static_cache_tau1_and_verify_equal_greedy(peaky, prompts):
     out = _greedy(model, enc, max_new_tokens=24, cache_implementation="static", mars_threshold=0.0,
                   return_dict_in_generate=True, eos_token_id=[])
     assert int(out.mars_emitted_tokens.sum()) > int(out.mars_forward_passes.sum())  # still several tokens per step
+
+
+@pytest.mark.skipif(not gen.STATIC_CACHE_SUPPORTED, reason="static cache layers roll back from transformers 5.24 on")
+@pytest.mark.parametrize("kw", [dict(mars_threshold=0.3), dict(mars_verify=True, mars_threshold=0.0)],
+                         ids=["threshold", "verify"])
+def test_static_cache_rows_are_ragged_and_compacted_in_place(peaky, monkeypatch, kw):
+    """A static cache does not hold batch rows in lockstep: each row accepts its own count (its output is what it
+    decodes alone, forwards differ per row). The masked columns this leaves are compacted in place (the tensors
+    keep their addresses: compiled graphs read them there), at the latest when the next step would not fit: here
+    the cache holds exactly what the call needs and only that rule compacts."""
+    from hf_mars.generation import cache as cache_module
+
+    model, tok = peaky
+    monkeypatch.setattr(cache_module, "STATIC_CACHE_BUCKET", 1)
+    model.__dict__.pop("_mars_static_cache_length", None)
+    prompts = [p + s for p in PROMPTS for s in ("", " one two")]
+    real, calls = RollbackCache.compact, []
+
+    def only_when_short(self, longest, threshold=gen.COMPACT_THRESHOLD, **k):
+        addresses = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in self.cache.layers]
+        done = real(self, longest, 1.0, **k)  # never for the waste share alone
+        assert [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in self.cache.layers] == addresses
+        assert self.length + k["room"] <= self.static_len
+        assert int(self.cache.layers[0].cumulative_length) == self.length
+        calls.append(done)
+        return done
+
+    monkeypatch.setattr(RollbackCache, "compact", only_when_short)
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    P, opts = enc.input_ids.shape[1], dict(max_new_tokens=32, eos_token_id=[], return_dict_in_generate=True, **kw)
+    try:
+        out = _greedy(model, enc, cache_implementation="static", **opts)
+        assert any(calls), "the static cache never needed compacting: the test does not reach the rule"
+        assert len(set(out.mars_forward_passes.tolist())) > 1  # ragged: rows took different numbers of steps
+        for r, prompt in enumerate(prompts):
+            alone = _greedy(model, tok([prompt], return_tensors="pt"), **opts)
+            assert out.sequences[r, P:].tolist() == alone.sequences[0, -32:].tolist(), r
+    finally:
+        model.__dict__.pop("_mars_static_cache_length", None)
 
 
 @pytest.mark.skipif(not gen.STATIC_CACHE_SUPPORTED, reason="static cache layers roll back from transformers 5.24 on")
@@ -790,8 +829,8 @@ def test_batched_cache_is_compacted_and_output_unchanged(peaky, monkeypatch):
     waste_seen = []
     real = RollbackCache.compact
 
-    def spy(self, longest, threshold=gen.COMPACT_THRESHOLD):
-        done = real(self, longest, threshold)
+    def spy(self, longest, threshold=gen.COMPACT_THRESHOLD, **kw):
+        done = real(self, longest, threshold, **kw)
         waste_seen.append((self.length - longest) / self.length)
         return done
 

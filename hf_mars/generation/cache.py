@@ -61,8 +61,8 @@ class RollbackCache:
         self.sliding = any(type(layer) is DynamicSlidingWindowLayer for layer in layers)
         if self.sliding:
             cache.activate_past_recording()
-        # a static cache holds a fixed number of columns: rows move in lockstep (no masked pad columns pile up) and
-        # it must fit the prompt, the new tokens and one step's masks / drafts beyond them
+        # a static cache holds a fixed number of columns: it must fit the prompt, the new tokens and one step's
+        # masks / drafts beyond them (ragged rows' masked columns are compacted away in place to keep that room)
         self.static = any(type(layer) is StaticLayer for layer in layers)
         if self.static:
             capacity = min(layer.max_cache_len for layer in layers)
@@ -127,22 +127,32 @@ class RollbackCache:
             self.attn = torch.cat([past, kept_real.long()], dim=1)
         self.length += keep
 
-    def compact(self, longest: int, threshold: float = COMPACT_THRESHOLD) -> bool:
+    def compact(self, longest: int, threshold: float = COMPACT_THRESHOLD, room: int = 0) -> bool:
         """Move each row's real columns to the right end and drop the columns that are padding in every row, once
-        they are more than ``threshold`` of the cache (``longest``: the longest row's real columns).
+        they are more than ``threshold`` of the cache, or a static cache would not have ``room`` for the next step
+        (``longest``: the longest row's real columns).
 
         Keys already carry their rotary positions and attention does not care where a key sits, only whether it is
-        masked, so the output is unchanged; the cache then holds no more columns than the longest row needs."""
+        masked, so the output is unchanged; the cache then holds no more columns than the longest row needs. A
+        static cache is rewritten in place (its tensors keep their addresses: compiled graphs read them there)."""
         waste = self.length - longest
-        if self.attn is None or waste <= max(threshold * self.length, 0):
+        short = bool(self.static_len) and self.length + room > self.static_len
+        if self.attn is None or waste <= 0 or (waste <= threshold * self.length and not short):
             return False
         order = torch.argsort(self.attn, dim=1, stable=True)[:, waste:]  # pads first, real columns in order
+        idx = order[:, None, :, None]
         for layer in self.cache.layers:
             if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
                 continue
-            idx = order[:, None, :, None]
-            layer.keys = layer.keys.gather(2, idx.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
-            layer.values = layer.values.gather(2, idx.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
+            for name in ("keys", "values"):
+                full = getattr(layer, name)
+                picked = full[:, :, :self.length].gather(2, idx.expand(-1, full.shape[1], -1, full.shape[3]))
+                if type(layer) is StaticLayer:
+                    full[:, :, :longest].copy_(picked)
+                else:
+                    setattr(layer, name, picked)
+            if type(layer) is StaticLayer:
+                layer.cumulative_length.sub_(waste)
         self.attn = self.attn.gather(1, order)
         self.length -= waste
         return True

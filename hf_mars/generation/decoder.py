@@ -4,8 +4,8 @@ One step reads top to bottom (`MARSDecoder.step`): plan (per-row counts, `plan.p
 uncached committed tokens, pending drafts, mask tokens), one forward over the KV cache, read the candidate
 slots, decide (logits processors, then the rules of `rules.py`, one host sync), roll the cache back
 (`cache.py`), commit. Two cases move the rows in lockstep (the same count per step): stateful logits processors
-or criteria (they must see exactly the calls plain decoding makes: `exact.py`), and sliding-window or static
-caches (a window counts cache columns; a static cache has no room for ragged columns).
+or criteria (they must see exactly the calls plain decoding makes: `exact.py`), and sliding-window caches or a
+static block cache (a window counts cache columns; a block's chunk spans the rows).
 """
 
 from __future__ import annotations
@@ -138,8 +138,9 @@ class MARSDecoder:
         # candidate slots a step can read: verify's pending drafts, the AR token and the new drafts
         self.max_slots = max_slots = 2 * self.shape.max_drafts + 1 if opts.verify else candidates
         self.buf_len = P + max(self.max_new, 0) + max_slots + 2
+        self.step_room = 3 * candidates + 2  # cache columns one step may write (an upper bound)
         self.cache = RollbackCache(model, generation_config, model_kwargs.get(cache_key(model_kwargs)), b,
-                                   needed=P + max(self.max_new, 0) + 3 * candidates + 2)
+                                   needed=P + max(self.max_new, 0) + self.step_room)
         self._prepare_prompt(input_ids, model_kwargs.get("attention_mask"), max_slots)
         self._prepare_forward(generation_config, model_kwargs)
         self.rows = Rows.new(b, P, self.max_new)
@@ -149,11 +150,12 @@ class MARSDecoder:
         self.records = [] if (self.output_scores or self.output_logits) else None
         self.compactions = 0
         # ragged rows leave masked columns in the cache, which every later forward pays for: compacted away
-        # (dynamic full-attention caches, unlocked batches only). Sliding-window and static caches need every
-        # row to accept the same count each step (the exact path already moves rows that way)
-        self.compactable = not self.clients.exact and not self.shape.block and not (
-            self.cache.sliding or self.cache.static)
-        self.lockstep = b > 1 and not self.clients.exact and (self.cache.sliding or self.cache.static)
+        # (full-attention caches, unlocked batches; a static cache in place, and also whenever a step would not
+        # fit). A sliding window counts columns and a block cache's chunk spans rows: there every row accepts the
+        # same count each step (the exact path already moves rows that way)
+        self.compactable = not self.clients.exact and not self.shape.block and not self.cache.sliding
+        self.lockstep = b > 1 and not self.clients.exact and (
+            self.cache.sliding or (self.cache.static and self.shape.block))
 
     def _prepare_prompt(self, input_ids, attn, max_slots):
         """The token buffer (prompt | generated history, kept on the device only when processors or criteria
@@ -214,7 +216,7 @@ class MARSDecoder:
         keep_cols = self._roll_back(plan, col_real, accepted, finished)
         self._commit(plan, keep_cols, decision, finished)
         if self.compactable and self.cache.attn is not None and self.cache.compact(
-                max(p + f for p, f in zip(self.prompt_real_host, rows.fed))):
+                max(p + f for p, f in zip(self.prompt_real_host, rows.fed)), room=self.step_room):
             self.compactions += 1
         if self.clients.lagging is not None:
             self._check_lagging()
@@ -402,33 +404,29 @@ class MARSDecoder:
     def _roll_back(self, plan, col_real, accepted, finished) -> int:
         """Drop the masks' (and rejected drafts') cache entries; returns how many columns of the chunk stay.
 
-        Block cache inside a chunk: everything fed is dropped (back to the frozen prefix). Verify: rejected
-        drafts every row shares are cropped; the rest stay, masked out in the 2D attention mask."""
+        Block cache inside a chunk: everything fed is dropped (back to the frozen prefix). Otherwise each row keeps
+        its committed tokens and, in verify mode, the drafts it accepted: the columns after the widest row's are
+        cropped, and a row that keeps fewer has the rest masked out in the 2D attention mask."""
         b, width = self.batch, plan.width
-        keep_cols = width - max(plan.masks)  # the masks are the last columns whenever anything is kept
-        leftover = False
         if self.shape.block and not plan.first and not self.rows.chunk_start:
-            drop, keep_cols = width, 0
-        elif self.opts.verify and not plan.first:
-            # rejected drafts sit at the right end of each row's kept columns: crop what every row rejected
-            rejected = [plan.drafts[r] - (accepted[r] - 1) for r in plan.rows if not finished[r]]
-            extra = max(0, min(min(rejected) if rejected else 0, keep_cols))
-            leftover = any(x > extra for x in rejected)
-            drop = width - keep_cols + extra
-            keep_cols -= extra
-        else:
-            drop = width - keep_cols
+            self.cache.roll_back(width, None, 0, self.device)
+            return 0
+        verify = self.opts.verify and not plan.first
+        # the chunk column after each active row's last kept one (its columns start at width - lens)
+        ends = {r: width - plan.lens[r] + plan.uncached[r] + (max(accepted[r] - 1, 0) if verify else 0)
+                for r in plan.rows}
+        going = [ends[r] for r in plan.rows if not finished[r]]
+        keep_cols = max(going or ends.values() or [0])
         kept_real = None if col_real is None else col_real[:, :keep_cols]
-        if keep_cols and leftover:  # (batches only) a draft column stays real only if its draft was accepted: the
-            # row's committed tokens and acc - 1 drafts, counted from its first real column (host-known)
+        if keep_cols and any(e < keep_cols for e in going):  # (batches only) ragged: per row, host-known
             kept = []
             for r in range(b):
-                first = width - plan.lens[r]
-                lo = 0 if col_real is None else min(first, keep_cols)
-                hi = max(lo, min(first + plan.uncached[r] + accepted[r] - 1, keep_cols))
+                lo = min(width - plan.lens[r], keep_cols)
+                hi = max(lo, min(ends.get(r, 0), keep_cols))
                 kept += [0] * lo + [1] * (hi - lo) + [0] * (keep_cols - hi)
-            kept_real = to_device(kept, self.device).view(b, keep_cols)
-        self.cache.roll_back(drop, kept_real, keep_cols, self.device)
+            ragged = to_device(kept, self.device).view(b, keep_cols).bool()
+            kept_real = ragged if kept_real is None else ragged & kept_real.bool()
+        self.cache.roll_back(width - keep_cols, kept_real, keep_cols, self.device)
         return keep_cols
 
     def _commit(self, plan, keep_cols, decision, finished):
