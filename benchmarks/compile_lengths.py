@@ -19,15 +19,23 @@ import torch
 
 
 def _prompts(tok, n, seed):
+    """``n`` chats of distinct token lengths: the held-out questions first (their templates give 23 lengths), then
+    two-turn chats (an earlier held-out exchange, then the question), as a chat client with history sends them."""
     from hf_mars.demo.data import generate_examples
 
+    def length(messages):
+        return len(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                           return_dict=True)["input_ids"])
+
+    examples = list(generate_examples(40 * n, seed=seed, split="eval"))
+    turns = [ex["messages"][:1] for ex in examples]
+    turns += [prev["messages"][:2] + ex["messages"][:1] for prev, ex in zip(examples, examples[1:])]
     seen, out = set(), []
-    for ex in generate_examples(40 * n, seed=seed, split="eval"):
-        ids = tok.apply_chat_template(ex["messages"][:1], add_generation_prompt=True, tokenize=True,
-                                      return_dict=True)["input_ids"]
-        if len(ids) not in seen:  # distinct lengths: the case that recompiled
-            seen.add(len(ids))
-            out.append(ex["messages"][:1])
+    for messages in turns:
+        size = length(messages)
+        if size not in seen:  # distinct lengths: the case that recompiled
+            seen.add(size)
+            out.append(messages)
         if len(out) == n:
             break
     return out

@@ -195,7 +195,7 @@ def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 
                          caches=("sliding", "block"), verify_thresholds=(DEFAULT_VERIFY_THRESHOLD,), max_new_tokens=64, block_size=None,
                          cache_block=DEFAULT_CACHE_BLOCK, num_prompts=16, repeats=3, warmup=1, num_threads=None, cost_repeats=30,
                          chat_template=None, progress=True, log=None, peers=("prompt_lookup",),
-                         draft_trees=("auto",)) -> dict:
+                         draft_trees=("auto",), short_answers=False) -> dict:
     """Benchmark MARS decoding against plain greedy `generate` (KV cache) on one model, in one process.
 
     ``model`` must have `enable_mars` applied (done here when it is not). Returns a JSON-able dict with
@@ -203,7 +203,9 @@ def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 
     tokens (real emitted tokens, padding after EOS excluded), time (median over ``repeats``), tok/s,
     tok/fwd (per row, the paper's measure), tokens per forward call (batch), speed-up over AR, the
     limit and the efficiency described in the module docstring, the zero-overhead ``ideal`` speed-up,
-    the loop's own overhead per step, and the share of rows whose output equals AR's.
+    the loop's own overhead per step, and the share of rows whose output equals AR's. ``short_answers``: also
+    time each call at batch 1 against MARS without a KV cache (`hf_mars.demo.short_answers`), under
+    ``"short_answers"``.
     """
     if num_threads:
         torch.set_num_threads(int(num_threads))
@@ -235,7 +237,7 @@ def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 
             "mean_prompt_tokens": statistics.mean(len(e) for e in bench.encoded), "batch_sizes": list(batch_sizes),
             "thresholds": list(thresholds), "caches": list(caches), "verify_thresholds": list(verify_thresholds or ()),
             "peers": list(peers), "draft_trees": list(draft_trees or ()),
-            "eos_token_ids": bench.eos_ids,
+            "short_answers": bool(short_answers), "eos_token_ids": bench.eos_ids,
         },
         "step_costs": {},
         "rows": [],
@@ -252,6 +254,13 @@ def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 
             f"{costs[f'cost_{1 + bench.block_size}_ms']:.2f} ms")
         result["rows"] += bench.rows(b, per_spec, costs, table)
     bench.bar.close()
+    if short_answers:
+        from hf_mars.demo.short_answers import benchmark_short_answers
+        from hf_mars.generation import mask_token_id
+
+        result["short_answers"] = benchmark_short_answers(
+            model, bench.encoded[:num_prompts], thresholds, bench.block_size, mask_token_id(model), bench.eos_ids,
+            max_new_tokens=max_new_tokens, repeats=repeats, static_compile="static_compile" in peers, progress=say)
     if hasattr(os, "getloadavg"):
         info["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     return result
@@ -473,6 +482,11 @@ def add_arguments(parser):
                         help="Verify mode's mars_draft_tree settings, each benchmarked ('auto', 'chain' or a shape "
                              "like '2,1,1,1'); the table reports each one's tokens per forward, its step cost against "
                              "a 1-token step and the speed-up limit from the widths it forwarded.")
+    parser.add_argument("--short-answers", action="store_true",
+                        help="Also time every prompt one call at a time (batch 1) at each --thresholds tau against "
+                             "MARS without a KV cache (the method's own sampler: the whole sequence re-run every "
+                             "step) and plain generate; with the static_compile peer, MARS on the static cache + "
+                             "compile too. Reports ms per call and identical answers.")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=None, help="MARS B (default: the checkpoint's).")
@@ -516,7 +530,7 @@ def run(args):
         verify_thresholds=args.verify_thresholds, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
         cache_block=args.cache_block, num_prompts=args.num_prompts, repeats=args.repeats, warmup=args.warmup,
         num_threads=args.threads, cost_repeats=args.cost_repeats, chat_template=False if args.no_chat_template else None, progress=not args.quiet,
-        peers=tuple(args.peers), draft_trees=tuple(args.draft_trees),
+        peers=tuple(args.peers), draft_trees=tuple(args.draft_trees), short_answers=args.short_answers,
     )
     result["settings"]["model_path"] = str(args.model)
     result["settings"]["prompts_path"] = args.prompts

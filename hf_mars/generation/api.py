@@ -274,10 +274,10 @@ def route_generate(model, *args, **kwargs):
     kwargs = _bind_generate_args(args, kwargs)
     mars_args, use_mars = _split_mars_arguments(model, kwargs)
     mask_id = mask_token_id(model, required=use_mars)
-    if mask_id is not None:
-        _with_mask_suppressed(model, kwargs, mask_id)
     base_generate = type(model).generate
-    if not use_mars:
+    if not use_mars:  # (the MARS loop suppresses the mask itself: no processor for transformers to build)
+        if mask_id is not None:
+            _with_mask_suppressed(model, kwargs, mask_id)
         return base_generate(model, **kwargs)
     synced_gpus = kwargs.pop("synced_gpus", None)  # transformers would not hand it to a callable: bind it
     _check_routable(kwargs, mars_args)
