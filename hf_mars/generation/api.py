@@ -54,10 +54,6 @@ def check_supported(model, generation_config, model_kwargs, input_ids):
         raise ValueError(
             "MARS decoding needs a prompt of at least one token per row; got input_ids of shape "
             f"{tuple(input_ids.shape)}. Start the prompt with BOS or the chat template's generation prompt.")
-    attn = model_kwargs.get("attention_mask")
-    if attn is not None and attn.ndim == 2 and bool((attn.sum(-1) == 0).any()):
-        raise ValueError("MARS decoding needs at least one real (unpadded) prompt token in every row; a row of the "
-                         "attention_mask is all zeros.")
     gc = generation_config
     problems = [
         (getattr(model.config, "is_encoder_decoder", False), "MARS decoding supports decoder-only models only."),

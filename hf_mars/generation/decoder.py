@@ -118,9 +118,8 @@ class MARSDecoder:
         self.mask_token_id = mask_token_id(model)
         self.clients = sort_clients(logits_processor, stopping_criteria, self.mask_token_id, self.output_scores)
         self.reads_history = self.clients.reads_history
-        self.suppress_t = torch.tensor(self.clients.suppress, dtype=torch.long, device=self.device)
-        self.eos_t = (torch.tensor(sorted(set(self.clients.eos_ids)), dtype=torch.long, device=self.device)
-                      if self.clients.eos_ids else None)
+        self.suppress_t = to_device(self.clients.suppress, self.device)
+        self.eos_t = to_device(sorted(set(self.clients.eos_ids)), self.device) if self.clients.eos_ids else None
         max_length = self.clients.max_length
         if max_length is None:
             max_length = generation_config.max_length
@@ -130,7 +129,7 @@ class MARSDecoder:
         pad = generation_config.pad_token_id
         if pad is None and self.clients.eos_ids:
             pad = self.clients.eos_ids[0]
-        self.pad = int(torch.as_tensor(pad).flatten()[0]) if pad is not None else 0
+        self.pad = pad if isinstance(pad, int) else int(torch.as_tensor(pad).flatten()[0]) if pad is not None else 0
         one_token = opts.threshold >= 1.0
         candidates = opts.block_size + 1 if opts.use_last_mask else opts.block_size
         self.shape = Shape(candidates=candidates, max_drafts=0 if one_token else candidates - 1,
@@ -163,14 +162,19 @@ class MARSDecoder:
         b, P, dev = self.batch, self.prompt_len, self.device
         self.seq = torch.full((b, self.buf_len), self.pad, dtype=torch.long, device=dev)
         self.seq[:, :P] = input_ids
+        self.prompt_real_host = [P] * b if attn is None else attn.long().sum(-1).tolist()
+        if attn is not None and min(self.prompt_real_host) == 0:
+            raise ValueError("MARS decoding needs at least one real (unpadded) prompt token in every row; a row of "
+                             "the attention_mask is all zeros.")
+        if attn is not None and min(self.prompt_real_host) == P:  # no padding: as if no mask was passed
+            attn = None
         self.prompt_attn = attn
         if attn is not None:
-            self.prompt_real = attn.long().sum(-1)
+            self.prompt_real = to_device(self.prompt_real_host, dev)
             self.prompt_pos = (attn.long().cumsum(-1) - 1).masked_fill(attn == 0, 0)
         else:
             self.prompt_real = torch.full((b,), P, dtype=torch.long, device=dev)
             self.prompt_pos = torch.arange(P, device=dev).unsqueeze(0).expand(b, P)
-        self.prompt_real_host = self.prompt_real.tolist()
         # a step's trailing drafts and masks may reach past the model's context (learned absolute positions,
         # GPT-2 / OPT, then index past their table) although the answer fits: only tokens past max_new read
         # those columns, so their positions are clamped to the last one (the emitted tokens are unchanged)
