@@ -773,6 +773,7 @@ def test_compile_config_is_honoured_with_a_static_cache(peaky):
     one = tok(PROMPTS[:1], return_tensors="pt")
     torch._dynamo.reset()
     model.__dict__.pop("_compiled_call", None)
+    model.__dict__.pop("_mars_compiled_call", None)
     calls.clear()
     kw = dict(max_new_tokens=24, cache_implementation="static", mars_threshold=0.5)
     first = _greedy(model, one, compile_config=config, **kw)
@@ -805,6 +806,7 @@ def test_compiled_mars_graphs_bounded_over_prompt_lengths(peaky, batch):
                for i in range(0, len(prompts), batch)]
     torch._dynamo.reset()
     model.__dict__.pop("_compiled_call", None)
+    model.__dict__.pop("_mars_compiled_call", None)
     model.__dict__.pop("_mars_static_cache_length", None)
     kw = dict(max_new_tokens=8, cache_implementation="static", compile_config=config)
     for mode in (dict(mars_verify=True, mars_threshold=0.0), dict(mars_threshold=0.5)):
@@ -819,6 +821,42 @@ def test_compiled_mars_graphs_bounded_over_prompt_lengths(peaky, batch):
                                         mars_threshold=0.5))
     verify = [_greedy(model, enc, mars_verify=True, mars_threshold=0.0, **kw) for enc in batches[:2]]
     assert all(torch.equal(v, _greedy(model, enc, max_new_tokens=8)) for v, enc in zip(verify, batches))
+
+
+@pytest.mark.skipif(not gen.STATIC_CACHE_SUPPORTED, reason="static cache layers roll back from transformers 5.24 on")
+def test_compiled_mars_has_its_own_recompile_budget(peaky):
+    """Plain compiled generate sizes its static cache per longest prompt so far, a graph each, all on
+    `Module.__call__`'s code object; once those reach Dynamo's recompile limit, that code runs eagerly. MARS's
+    compiled decode steps have a code object of their own: they still compile (and stay greedy) after plain
+    calls have spent the limit."""
+    from transformers import CompileConfig
+
+    from hf_mars._compat import compile_on_any_device
+
+    model, tok = peaky
+    graphs = []
+    def backend(gm, inputs, **options):  # counts compilations, runs the captured graph as is
+        graphs.append(1)
+        return gm.forward
+
+    config = compile_on_any_device(CompileConfig(backend=backend, mode=None, dynamic=False))
+    torch._dynamo.reset()
+    for key in ("_compiled_call", "_mars_compiled_call", "_mars_static_cache_length"):
+        model.__dict__.pop(key, None)
+    plain_generate = type(model).generate
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for text in ("a", "a b c", "a b c d e f", "a b c d e f g h i"):  # a longer prompt each: a new cache size
+            enc = tok([text], return_tensors="pt")
+            plain_generate(model, **enc, max_new_tokens=4, do_sample=False, cache_implementation="static",
+                           compile_config=config)
+        assert len(graphs) == 2, "plain generate should have spent the recompile limit"
+        enc = tok(["hello world"], return_tensors="pt")
+        out = _greedy(model, enc, max_new_tokens=8, cache_implementation="static", compile_config=config,
+                      mars_verify=True, mars_threshold=0.0)
+    assert len(graphs) > 2, "MARS's decode steps were not compiled: they shared plain generate's recompile budget"
+    assert torch.equal(out, _greedy(model, enc, max_new_tokens=8))
+    for key in ("_compiled_call", "_mars_compiled_call", "_mars_static_cache_length"):
+        model.__dict__.pop(key, None)
 
 
 def test_batched_cache_is_compacted_and_output_unchanged(peaky, monkeypatch):

@@ -41,16 +41,17 @@ class ForwardRecorder:
     calls the decoder and the head separately is still counted. Widths are the new positions per call.
     ``sync`` makes per-forward times exact on CUDA at the cost of a sync per call.
 
-    A compiled forward (``model.get_compiled_call``, what generate uses with a compile config) traces the module
-    hooks into its graph, where a clock or a counter would be a constant or a guard (a recompile per call): the
-    hooks do nothing while Dynamo traces, and the compiled call itself is counted and timed from outside.
+    A compiled forward (``model.get_compiled_call``, what generate uses with a compile config, and MARS's
+    ``compiled_decode_call``) traces the module hooks into its graph, where a clock or a counter would be a
+    constant or a guard (a recompile per call): the hooks do nothing while Dynamo traces, and the compiled call
+    itself is counted and timed from outside.
     """
 
     def __init__(self, model, sync: bool = False):
         self.model = model
         self.sync = sync
         self.handles = []
-        self._wrapped = None  # (the compiled call, the counting wrapper around it)
+        self._wrapped = {}  # id(compiled call) -> (the compiled call, the counting wrapper around it)
         self.reset()
 
     def reset(self):
@@ -102,9 +103,10 @@ class ForwardRecorder:
 
         return hook
 
-    def _get_compiled_call(self, compile_config):
-        compiled = type(self.model).get_compiled_call(self.model, compile_config)
-        if self._wrapped is None or self._wrapped[0] is not compiled:
+    def _counted(self, compiled):
+        """The compiled call, counted and timed from outside (one wrapper per compiled call)."""
+        wrapped = self._wrapped.get(id(compiled))
+        if wrapped is None or wrapped[0] is not compiled:
             def call(*args, **kwargs):
                 for which in self._targets:
                     self._start(which, args, kwargs)
@@ -114,8 +116,15 @@ class ForwardRecorder:
                     for which in self._targets:
                         self._stop(which)
 
-            self._wrapped = (compiled, call)
-        return self._wrapped[1]
+            wrapped = self._wrapped[id(compiled)] = (compiled, call)
+        return wrapped[1]
+
+    def _get_compiled_call(self, compile_config):
+        return self._counted(type(self.model).get_compiled_call(self.model, compile_config))
+
+    def _compiled_decode_call(self, model, compile_config):
+        compiled = self._original_decode_call(model, compile_config)
+        return self._counted(compiled) if model is self.model else compiled
 
     def __enter__(self):
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
@@ -128,6 +137,10 @@ class ForwardRecorder:
             self.handles.append(mod.register_forward_hook(self._post(which), with_kwargs=True))
         if hasattr(self.model, "get_compiled_call"):
             self.model.get_compiled_call = self._get_compiled_call  # instance attribute: removed on exit
+        from hf_mars.generation import decoder as mars_decoder  # MARS's compiled decode steps: counted alike
+
+        self._original_decode_call = mars_decoder.compiled_decode_call
+        mars_decoder.compiled_decode_call = self._compiled_decode_call
         return self
 
     def __exit__(self, *exc):
@@ -135,7 +148,10 @@ class ForwardRecorder:
             h.remove()
         self.handles = []
         self.model.__dict__.pop("get_compiled_call", None)
-        self._wrapped = None
+        from hf_mars.generation import decoder as mars_decoder
+
+        mars_decoder.compiled_decode_call = self._original_decode_call
+        self._wrapped = {}
 
     @property
     def calls(self) -> int:

@@ -50,6 +50,26 @@ def takes_logits_to_keep(model) -> bool:
     return _forward_takes_logits_to_keep(type(model).forward)
 
 
+def _decode_call(model, **kwargs):
+    return model(**kwargs)
+
+
+def compiled_decode_call(model, compile_config):
+    """The compiled forward of MARS decode steps (what ``model.get_compiled_call`` is to plain decoding), kept on the
+    model per compile config. A function of its own because Dynamo counts recompiles per code object: generate's
+    compiled call is ``torch.compile(model.__call__)``, one code object with every compiled plain call in the
+    process, whose static caches are sized per longest prompt so far; past the limit (8) Dynamo runs that code
+    eagerly. MARS's one graph per shape must not share that budget (nor spend plain's)."""
+    if "llama4" in getattr(model.config, "model_type", ""):  # as get_compiled_call: not compiled there
+        return model.__call__
+    cached = model.__dict__.get("_mars_compiled_call")
+    if cached is None or cached[0] != compile_config:
+        compiled = torch.compile(_decode_call, **compile_config.to_dict())
+        cached = (compile_config, functools.partial(compiled, model))
+        model.__dict__["_mars_compiled_call"] = cached
+    return cached[1]
+
+
 def cache_key(model_kwargs) -> str:
     return "past_key_values" if "past_key_values" in model_kwargs and "cache" not in model_kwargs else "cache"
 
@@ -196,7 +216,7 @@ class MARSDecoder:
             or bool(compile_config is not None and getattr(compile_config, "_compile_all_devices", None)))
         if wants and self.cache.static and getattr(self.cache.cache, "is_compileable", False) and (
                 getattr(getattr(model, "hf_quantizer", None), "is_compileable", True)):
-            self.decode_forward = model.get_compiled_call(compile_config)
+            self.decode_forward = compiled_decode_call(model, compile_config or model._default_compile_config())
             if not shape.block and not (shape.one_token and not opts.verify):
                 shape.fixed_width = (1 + shape.max_drafts if opts.verify else shape.candidates) + shape.candidates - 1
         self.cache_key = cache_key(model_kwargs)
