@@ -65,6 +65,26 @@ def _greedy(model, enc, **kw):
     return model.generate(**enc, max_new_tokens=kw.pop("max_new_tokens", MAX_NEW), do_sample=False, **kw)
 
 
+def _counting_compile_config(graphs, **kw):
+    """A CompileConfig (compiling on CPU too) whose backend counts compilations and runs the captured graph as is."""
+    from transformers import CompileConfig
+
+    from hf_mars._compat import compile_on_any_device
+
+    def backend(gm, inputs, **options):
+        graphs.append(1)
+        return gm.forward
+
+    return compile_on_any_device(CompileConfig(backend=backend, mode=None, **kw))
+
+
+def _forget_compiled(model):
+    """Fresh Dynamo state; no compiled call or static cache size kept on the model."""
+    torch._dynamo.reset()
+    for key in ("_compiled_call", "_mars_compiled_call", "_mars_static_cache_length"):
+        model.__dict__.pop(key, None)
+
+
 class ForwardCounter:
     def __init__(self, model):
         self.count = 0
@@ -751,19 +771,11 @@ def test_cache_that_cannot_roll_back_is_refused(flat):
 def test_compile_config_is_honoured_with_a_static_cache(peaky):
     """generation_config.compile_config compiles the decode steps (backend "eager" here: the code path, cheaply);
     the output stays identical to greedy."""
-    from transformers import CompileConfig
-
-    from hf_mars._compat import compile_on_any_device
-
     model, tok = peaky
     enc = _batch(tok)
     plain = _greedy(model, enc, max_new_tokens=16)
     calls = []
-    def backend(gm, inputs, **options):  # counts compilations, runs the captured graph as is
-        calls.append(1)
-        return gm.forward
-
-    config = compile_on_any_device(CompileConfig(backend=backend, mode=None))
+    config = _counting_compile_config(calls)
     for kw in (dict(mars_threshold=1.0), dict(mars_verify=True, mars_threshold=0.0)):
         out = _greedy(model, enc, max_new_tokens=16, cache_implementation="static", compile_config=config, **kw)
         assert torch.equal(out, plain), kw
@@ -771,9 +783,7 @@ def test_compile_config_is_honoured_with_a_static_cache(peaky):
     # one width per step (masks pad the chunk): one graph at batch 1, none more on a second call; threshold mode
     # decodes what the uncompiled loop decodes
     one = tok(PROMPTS[:1], return_tensors="pt")
-    torch._dynamo.reset()
-    model.__dict__.pop("_compiled_call", None)
-    model.__dict__.pop("_mars_compiled_call", None)
+    _forget_compiled(model)
     calls.clear()
     kw = dict(max_new_tokens=24, cache_implementation="static", mars_threshold=0.5)
     first = _greedy(model, one, compile_config=config, **kw)
@@ -788,26 +798,15 @@ def test_compile_config_is_honoured_with_a_static_cache(peaky):
 def test_compiled_mars_graphs_bounded_over_prompt_lengths(peaky, batch):
     """A stream of prompts of many lengths compiles a bounded number of graphs (the static cache MARS decodes into
     has one length per `STATIC_CACHE_BUCKET`, growing only), and none after a warm-up pass; outputs stay greedy."""
-    from transformers import CompileConfig
-
-    from hf_mars._compat import compile_on_any_device
-
     model, tok = peaky
     graphs = []
-    def backend(gm, inputs, **options):  # counts compilations, runs the captured graph as is
-        graphs.append(1)
-        return gm.forward
-
     # dynamic=False, as a user pinning static shapes would: every new cache shape is a new graph
-    config = compile_on_any_device(CompileConfig(backend=backend, mode=None, dynamic=False))
+    config = _counting_compile_config(graphs, dynamic=False)
     words = "the quick brown fox jumps over a lazy dog and then some more words follow here".split()
     prompts = [" ".join(words[:n]) for n in range(1, 10)]  # 9 distinct prompt lengths
     batches = [tok(prompts[i:i + batch], return_tensors="pt", padding=True, padding_side="left")
                for i in range(0, len(prompts), batch)]
-    torch._dynamo.reset()
-    model.__dict__.pop("_compiled_call", None)
-    model.__dict__.pop("_mars_compiled_call", None)
-    model.__dict__.pop("_mars_static_cache_length", None)
+    _forget_compiled(model)
     kw = dict(max_new_tokens=8, cache_implementation="static", compile_config=config)
     for mode in (dict(mars_verify=True, mars_threshold=0.0), dict(mars_threshold=0.5)):
         warm = [_greedy(model, enc, **mode, **kw) for enc in batches]
@@ -829,20 +828,10 @@ def test_compiled_mars_has_its_own_recompile_budget(peaky):
     `Module.__call__`'s code object; once those reach Dynamo's recompile limit, that code runs eagerly. MARS's
     compiled decode steps have a code object of their own: they still compile (and stay greedy) after plain
     calls have spent the limit."""
-    from transformers import CompileConfig
-
-    from hf_mars._compat import compile_on_any_device
-
     model, tok = peaky
     graphs = []
-    def backend(gm, inputs, **options):  # counts compilations, runs the captured graph as is
-        graphs.append(1)
-        return gm.forward
-
-    config = compile_on_any_device(CompileConfig(backend=backend, mode=None, dynamic=False))
-    torch._dynamo.reset()
-    for key in ("_compiled_call", "_mars_compiled_call", "_mars_static_cache_length"):
-        model.__dict__.pop(key, None)
+    config = _counting_compile_config(graphs, dynamic=False)
+    _forget_compiled(model)
     plain_generate = type(model).generate
     with torch._dynamo.config.patch(recompile_limit=2):
         for text in ("a", "a b c", "a b c d e f", "a b c d e f g h i"):  # a longer prompt each: a new cache size
@@ -855,8 +844,7 @@ def test_compiled_mars_has_its_own_recompile_budget(peaky):
                       mars_verify=True, mars_threshold=0.0)
     assert len(graphs) > 2, "MARS's decode steps were not compiled: they shared plain generate's recompile budget"
     assert torch.equal(out, _greedy(model, enc, max_new_tokens=8))
-    for key in ("_compiled_call", "_mars_compiled_call", "_mars_static_cache_length"):
-        model.__dict__.pop(key, None)
+    _forget_compiled(model)
 
 
 def test_batched_cache_is_compacted_and_output_unchanged(peaky, monkeypatch):
