@@ -81,7 +81,7 @@ def _counting_compile_config(graphs, **kw):
 def _forget_compiled(model):
     """Fresh Dynamo state; no compiled call or static cache size kept on the model."""
     torch._dynamo.reset()
-    for key in ("_compiled_call", "_mars_compiled_call", "_mars_static_cache_length"):
+    for key in ("_compiled_call", "_mars_compiled_call", "_mars_compiled_prefill", "_mars_static_cache_length"):
         model.__dict__.pop(key, None)
 
 
@@ -845,6 +845,51 @@ def test_compiled_mars_has_its_own_recompile_budget(peaky):
     assert len(graphs) > 2, "MARS's decode steps were not compiled: they shared plain generate's recompile budget"
     assert torch.equal(out, _greedy(model, enc, max_new_tokens=8))
     _forget_compiled(model)
+
+
+@pytest.mark.skipif(not gen.STATIC_CACHE_SUPPORTED, reason="static cache layers roll back from transformers 5.24 on")
+@pytest.mark.parametrize("batch", [1, 3])
+def test_compiled_prefill_runs_a_few_padded_widths(peaky, batch):
+    """mars_compile_prefill pads the [prompt | masks] forward with masks to a power-of-two width: prompts of many
+    lengths compile one prefill graph per width (and rows), none after a warm-up pass, and the padding leaves no
+    trace: threshold mode decodes what the eager prefill decodes, tau = 1 and verify what plain greedy does."""
+    from hf_mars.generation.forward import prefill_width
+
+    model, tok = peaky
+    texts = ["ab", "hello world", "the quick brown fox", "the quick brown fox jumps over",
+             "the quick brown fox jumps over the lazy dog, twice over"]
+    batches = [tok(texts[i:i + batch], return_tensors="pt", padding=True, padding_side="left")
+               for i in range(0, len(texts), batch)]
+    graphs = []
+    config = _counting_compile_config(graphs, dynamic=False)
+    _forget_compiled(model)
+    kw = dict(max_new_tokens=8, cache_implementation="static", compile_config=config)
+    try:
+        eager_prefill = [_greedy(model, enc, mars_threshold=0.5, **kw) for enc in batches]
+        decode_graphs = len(graphs)
+        out = [_greedy(model, enc, mars_threshold=0.5, mars_compile_prefill=True, **kw) for enc in batches]
+        shapes = {(prefill_width(enc.input_ids.shape[1] + 3, 256), enc.input_ids.shape[0]) for enc in batches}
+        assert len(graphs) - decode_graphs == len(shapes) < len(texts)
+        again = [_greedy(model, enc, mars_threshold=0.5, mars_compile_prefill=True, **kw) for enc in batches]
+        assert len(graphs) - decode_graphs == len(shapes), "recompiled after warm-up"
+        assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(out, again, eager_prefill))
+        for enc in batches:
+            plain = _greedy(model, enc, max_new_tokens=8)
+            for mode in (dict(mars_threshold=1.0), dict(mars_verify=True, mars_threshold=0.0)):
+                assert torch.equal(_greedy(model, enc, mars_compile_prefill=True, **mode, **kw), plain), mode
+    finally:
+        _forget_compiled(model)
+
+
+def test_prefill_padding_keeps_positions_in_the_table():
+    from hf_mars.generation.forward import pad_prefill, prefill_width
+
+    assert [prefill_width(w, 256) for w in (1, 16, 17, 40, 64, 65, 200)] == [16, 16, 32, 64, 64, 128, 256]
+    assert prefill_width(40, 48) == 48 and prefill_width(60, 48) == 60  # never past the cache, never narrower
+    ids, pos = torch.tensor([[5, 6, 7]]), torch.tensor([[9, 10, 11]])
+    padded_ids, padded_pos, pad = pad_prefill(ids, pos, 256, torch.tensor([[1]]), max_positions=20)
+    assert pad == 13 and padded_ids[0, :3].tolist() == [5, 6, 7] and set(padded_ids[0, 3:].tolist()) == {1}
+    assert padded_pos[0].tolist() == [9, 10, 11] + list(range(12, 20)) + [19] * 5
 
 
 def test_batched_cache_is_compacted_and_output_unchanged(peaky, monkeypatch):

@@ -40,7 +40,8 @@ def test_defaults_and_the_verify_defaults():
     (dict(block_size=0), "mars_block_size"), (dict(acceptance="vibes"), "mars_acceptance"),
     (dict(max_accept=0), "mars_max_accept"), (dict(cache="paged"), "mars_cache"),
     (dict(cache_block=1.5), "mars_cache_block"), (dict(verify="yes"), "mars_verify"),
-    (dict(verify=True, cache="block"), "mars_cache='sliding'"), (dict(use_last_mask=1), "mars_use_last_mask")])
+    (dict(verify=True, cache="block"), "mars_cache='sliding'"), (dict(use_last_mask=1), "mars_use_last_mask"),
+    (dict(compile_prefill="yes"), "mars_compile_prefill")])
 def test_bad_values_are_refused_when_built(bad, says):
     with pytest.raises(ValueError, match=says):
         MARSGenerationConfig(**bad)

@@ -67,6 +67,12 @@ class MARSGenerationConfig:
         "draft per depth, new drafts only after all were accepted) or a tree shape 'k1,k2,...' (depth d offers "
         "its mask's top-k_d tokens; masks after every node, so the next drafts are ready whichever path is "
         "accepted). The output never depends on it."))
+    compile_prefill: bool = _field(False, (
+        "Where decode steps are compiled (a static cache with a compile config), compile the prefill too: the "
+        "[prompt | masks] forward is padded at the end with masks to the next power of two (at most the cache's "
+        "length), so any prompt runs one of a few graphs; each new width compiles once. Worth it where per-call "
+        "overhead dominates (short prompts, small models, CPU); padding costs up to twice the prefill's compute "
+        "where the prefill is compute-bound. Without compiled decode steps it has no effect."))
 
     def __post_init__(self):
         # the fields set to something other than their default: what a `mars_config=` passed to generate imposes
@@ -90,7 +96,7 @@ class MARSGenerationConfig:
         c = self.cache_block
         if isinstance(c, bool) or not isinstance(c, int) or c < 1:
             raise ValueError(f"mars_cache_block must be an int >= 1 (the paper's best is 16-32), got {c!r}.")
-        for name in ("verify", "use_last_mask"):
+        for name in ("verify", "use_last_mask", "compile_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"mars_{name} must be True or False, got {getattr(self, name)!r}.")
         self.draft_tree = parse_draft_tree(self.draft_tree, self.block_size + self.use_last_mask - 1)
@@ -146,7 +152,7 @@ class MARSGenerationConfig:
                 continue
             flag = "--mars-" + f.name.replace("_", "-")
             text = f.metadata["help"]
-            if f.name in ("verify", "use_last_mask"):
+            if f.name in ("verify", "use_last_mask", "compile_prefill"):
                 parser.add_argument(flag, default=None, action=argparse.BooleanOptionalAction, help=text)
             else:
                 parser.add_argument(flag, default=None, type=types.get(f.name, str), choices=choices.get(f.name),

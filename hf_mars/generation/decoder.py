@@ -19,7 +19,7 @@ from .cache import RollbackCache
 from .clients import history_free, sort_clients
 from .config import mask_token_id
 from .exact import decide_exact
-from .forward import compiled_decode_call, takes_logits_to_keep
+from .forward import compiled_decode_call, compiled_prefill_call, pad_prefill, takes_logits_to_keep
 from .plan import plan_step, to_device
 from .rules import (
     Decision,
@@ -167,24 +167,30 @@ class MARSDecoder:
         # GPT-2 / OPT, then index past their table) although the answer fits: only tokens past max_new read
         # those columns, so their positions are clamped to the last one (the emitted tokens are unchanged)
         limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
-        self.last_position = limit - 1 if isinstance(limit, int) and P + self.max_new + max_slots > limit else None
+        self.max_positions = limit if isinstance(limit, int) else None
+        self.last_position = limit - 1 if self.max_positions and P + self.max_new + max_slots > limit else None
         self.arange = torch.arange(self.buf_len + 2 * (self.shape.chunk + self.shape.candidates) + 8, device=dev)
         self.mask_col = torch.full((1, 1), self.mask_token_id, dtype=torch.long, device=dev)
 
     def _prepare_forward(self, generation_config, model_kwargs):
         """The forward of decode steps: torch.compile as generate decides it for plain decoding (a compileable
         static cache, an accelerator or compile_config._compile_all_devices, not disabled). The prefill runs
-        eagerly. A compiled step keeps one width (extra masks at the end change nothing before them under causal
-        attention) so that one graph serves every step: the widest [committed | drafts] run plus the K-1 masks."""
+        eagerly (``mars_compile_prefill``: compiled too, padded with masks to one of a few widths: `pad_prefill`). A
+        compiled step keeps one width (extra masks at the end change nothing before them under causal attention) so
+        that one graph serves every step: the widest [committed | drafts] run plus the K-1 masks."""
         model, opts, shape = self.model, self.opts, self.shape
         self.model_forward = self.decode_forward = model.__call__
+        self.prefill_forward = None
         compile_config = getattr(generation_config, "compile_config", None)
         wants = not getattr(generation_config, "disable_compile", False) and (
             self.device.type in ("cuda", "xpu", "neuron", "tpu")
             or bool(compile_config is not None and getattr(compile_config, "_compile_all_devices", None)))
         if wants and self.cache.static and getattr(self.cache.cache, "is_compileable", False) and (
                 getattr(getattr(model, "hf_quantizer", None), "is_compileable", True)):
-            self.decode_forward = compiled_decode_call(model, compile_config or model._default_compile_config())
+            compile_config = compile_config or model._default_compile_config()
+            self.decode_forward = compiled_decode_call(model, compile_config)
+            if opts.compile_prefill:
+                self.prefill_forward = compiled_prefill_call(model, compile_config)
             if not shape.block and not (shape.one_token and not opts.verify):
                 shape.fixed_width = (1 + shape.max_drafts if opts.verify else shape.candidates) + shape.candidates - 1
         self.cache_key = cache_key(model_kwargs)
@@ -242,16 +248,30 @@ class MARSDecoder:
             attention_mask = self.cache.attention_mask(col_real, self.device)
         kwargs = dict(self.extra_forward_kwargs)
         kwargs[self.cache_key] = self.cache.cache
+        forward, kept, pad = self.model_forward if plan.first else self.decode_forward, plan.logits_kept, 0
+        keep = kept
+        if plan.first and self.prefill_forward is not None:
+            forward = self.prefill_forward
+            capacity = self.cache.static_len - self.cache.cache.get_seq_length()
+            input_ids, position_ids, pad = pad_prefill(input_ids, position_ids, capacity, self.mask_col,
+                                                       self.max_positions)
+            width = input_ids.shape[1] - pad
+            keep = self.arange[width - kept:width]  # the columns as a tensor: one graph whatever the padding
         if self.supports_logits_to_keep:
-            kwargs["logits_to_keep"] = plan.logits_kept
+            kwargs["logits_to_keep"] = keep
         if self.last_position is not None:
             position_ids = position_ids.clamp(max=self.last_position)
-        forward = self.model_forward if plan.first else self.decode_forward
         out = forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       use_cache=True, return_dict=True, **kwargs)
+        if pad:  # the padding leaves no trace in the cache
+            self.cache.cache.crop(-pad)
         for r in range(self.batch):
             self.rows.forwards[r] += self.rows.unfinished[r]
-        return out.logits[:, -plan.logits_kept:]
+        logits = out.logits
+        if logits.shape[1] != kept:  # every column's logits (no logits_to_keep): the kept ones end before any pad
+            end = logits.shape[1] - pad
+            logits = logits[:, end - kept:end]
+        return logits
 
     def _candidate_slots(self, plan, logits):
         """Slot s of row r reads the logits column before its drafts and masks, plus s. Returns the float32 slot
