@@ -73,42 +73,14 @@ def _forward_costs(model, prompt_len=50, repeats=350):
     return {k: 1000 * statistics.median(v[repeats // 7:]) for k, v in times.items()}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--threshold", type=float, default=0.9)
-    p.add_argument("--static-compile", action="store_true", help="static cache, decode steps compiled")
-    p.add_argument("--compile-prefill", action="store_true", help="mars_compile_prefill=True (with --static-compile)")
-    p.add_argument("--setup-repeats", type=int, default=30)
-    args = p.parse_args(argv)
-    torch.set_num_threads(1)
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig
-
+def _time_in_place(prompts, mars):
+    """Run ``mars`` on every prompt with the decoder's pieces wrapped in timers; returns the summed seconds per
+    piece (``preparation``: from the call to MARS's set-up) and the decode steps taken."""
     import hf_mars.generation.api as api
     import hf_mars.generation.decoder as decoder
     import torch._inductor.output_code as output_code
-    from hf_mars._compat import compile_on_any_device
-    from hf_mars.demo.prompts import encode_prompts, load_prompts
-    from hf_mars.generation import enable_mars
 
-    model = enable_mars(AutoModelForCausalLM.from_pretrained(args.model).eval())
-    tok = AutoTokenizer.from_pretrained(args.model)
-    prompts = [torch.tensor([ids]) for ids in
-               encode_prompts(tok, [r["prompt"] for r in load_prompts(limit=args.num_prompts)])]
-    extra = {}
-    if args.static_compile:
-        extra = dict(cache_implementation="static", compile_config=compile_on_any_device(CompileConfig()),
-                     mars_compile_prefill=args.compile_prefill)
-
-    def mars(ids):
-        return model.generate(input_ids=ids, max_new_tokens=64, do_sample=False, mars=True,
-                              mars_threshold=args.threshold, **extra)
-
-    for ids in prompts:  # warm-up (compiles)
-        mars(ids)
-    t = dict(total=0.0, setup=0.0, run=0.0, prefill=0.0, decode=0.0, graph=0.0, steps=0)
+    t = dict(total=0.0, preparation=0.0, setup=0.0, run=0.0, prefill=0.0, decode=0.0, graph=0.0, steps=0)
     marks = {}
     start_decoder, run, forward = api.start_decoder, decoder.MARSDecoder.run, decoder.MARSDecoder._forward
     graph_call = output_code.CompiledFxGraph.__call__
@@ -143,18 +115,53 @@ def main(argv=None):
     api.start_decoder, decoder.MARSDecoder.run, decoder.MARSDecoder._forward = timed_start, timed_run, timed_forward
     output_code.CompiledFxGraph.__call__ = timed_graph
     try:
-        preparation = 0.0
         for ids in prompts:
             t0 = time.perf_counter()
             mars(ids)
             t["total"] += time.perf_counter() - t0
-            preparation += marks["setup"] - t0
+            t["preparation"] += marks["setup"] - t0
     finally:
         api.start_decoder, decoder.MARSDecoder.run, decoder.MARSDecoder._forward = start_decoder, run, forward
         output_code.CompiledFxGraph.__call__ = graph_call
+    return t
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--static-compile", action="store_true", help="static cache, decode steps compiled")
+    p.add_argument("--compile-prefill", action="store_true", help="mars_compile_prefill=True (with --static-compile)")
+    p.add_argument("--setup-repeats", type=int, default=30)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig
+
+    from hf_mars._compat import compile_on_any_device
+    from hf_mars.demo.prompts import encode_prompts, load_prompts
+    from hf_mars.generation import enable_mars
+
+    model = enable_mars(AutoModelForCausalLM.from_pretrained(args.model).eval())
+    tok = AutoTokenizer.from_pretrained(args.model)
+    prompts = [torch.tensor([ids]) for ids in
+               encode_prompts(tok, [r["prompt"] for r in load_prompts(limit=args.num_prompts)])]
+    extra = {}
+    if args.static_compile:
+        extra = dict(cache_implementation="static", compile_config=compile_on_any_device(CompileConfig()),
+                     mars_compile_prefill=args.compile_prefill)
+
+    def mars(ids):
+        return model.generate(input_ids=ids, max_new_tokens=64, do_sample=False, mars=True,
+                              mars_threshold=args.threshold, **extra)
+
+    for ids in prompts:  # warm-up (compiles)
+        mars(ids)
+    t = _time_in_place(prompts, mars)
     n, steps = len(prompts), max(t["steps"], 1)
     print(f"per call (ms, mean of {n}): total {1000 * t['total'] / n:.2f} = generate's preparation "
-          f"{1000 * preparation / n:.2f} + MARS set-up {1000 * t['setup'] / n:.2f} + prefill "
+          f"{1000 * t['preparation'] / n:.2f} + MARS set-up {1000 * t['setup'] / n:.2f} + prefill "
           f"{1000 * t['prefill'] / n:.2f} + {t['steps'] / n:.2f} decode steps x {1000 * t['decode'] / steps:.2f} "
           f"(graph {1000 * t['graph'] / steps:.2f}) + loop {1000 * (t['run'] - t['prefill'] - t['decode']) / n:.2f}")
     calls = {"plain": lambda ids: model.generate(input_ids=ids, max_new_tokens=64, do_sample=False),
