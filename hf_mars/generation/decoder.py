@@ -249,16 +249,16 @@ class MARSDecoder:
         kwargs = dict(self.extra_forward_kwargs)
         kwargs[self.cache_key] = self.cache.cache
         forward, kept, pad = self.model_forward if plan.first else self.decode_forward, plan.logits_kept, 0
-        keep = kept
+        logits_to_keep = kept
         if plan.first and self.prefill_forward is not None:
             forward = self.prefill_forward
             capacity = self.cache.static_len - self.cache.cache.get_seq_length()
             input_ids, position_ids, pad = pad_prefill(input_ids, position_ids, capacity, self.mask_col,
                                                        self.max_positions)
-            width = input_ids.shape[1] - pad
-            keep = self.arange[width - kept:width]  # the columns as a tensor: one graph whatever the padding
+            width = input_ids.shape[1] - pad  # the kept columns as a tensor: one graph whatever the padding
+            logits_to_keep = self.arange[width - kept:width]
         if self.supports_logits_to_keep:
-            kwargs["logits_to_keep"] = keep
+            kwargs["logits_to_keep"] = logits_to_keep
         if self.last_position is not None:
             position_ids = position_ids.clamp(max=self.last_position)
         out = forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -267,11 +267,9 @@ class MARSDecoder:
             self.cache.cache.crop(-pad)
         for r in range(self.batch):
             self.rows.forwards[r] += self.rows.unfinished[r]
-        logits = out.logits
-        if logits.shape[1] != kept:  # every column's logits (no logits_to_keep): the kept ones end before any pad
-            end = logits.shape[1] - pad
-            logits = logits[:, end - kept:end]
-        return logits
+        # the kept columns end where the chunk did (logits_to_keep returned only them; else the padding follows)
+        end = out.logits.shape[1] - (0 if self.supports_logits_to_keep else pad)
+        return out.logits[:, end - kept:end]
 
     def _candidate_slots(self, plan, logits):
         """Slot s of row r reads the logits column before its drafts and masks, plus s. Returns the float32 slot

@@ -27,7 +27,7 @@ def _decode_call(model, **kwargs):
     return model(**kwargs)
 
 
-def _prefill_call(model, **kwargs):
+def _prefill_call(model, **kwargs):  # the same call, another code object: Dynamo counts recompiles per code object
     return model(**kwargs)
 
 
