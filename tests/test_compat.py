@@ -1,8 +1,10 @@
 """The private transformers / TRL APIs hf-mars reads (hf_mars/_compat.py), checked against the installed versions.
 
-A failure here means an upgrade moved one: fix the accessor in hf_mars/_compat.py, nowhere else.
+A failure here means an upgrade moved one: fix the accessor in hf_mars/_compat.py, nowhere else (the one private
+torch record the generation package reads, which ships standalone, is in hf_mars/generation/forward.py).
 """
 
+import pytest
 import torch
 from datasets import Dataset
 
@@ -60,3 +62,28 @@ def test_transformers_private_hooks():
     assert gen._from_model_config is True
     _compat.keep_generation_extras(gen)
     assert gen._from_model_config is False
+
+
+def test_torch_compile_stance_record():
+    """`hf_mars/generation/forward.py` reads torch's private stance record (to leave a user's ``set_stance`` alone)
+    and recognises the error a ``skip_guard_eval_unsafe`` call raises when its checks find no graph (to rerun the
+    step with full guards). If torch moved either, `GuardedSteps` must be updated."""
+    from hf_mars.generation.forward import _stance_is_default
+
+    stance = getattr(torch._dynamo.eval_frame, "_stance", None)
+    assert stance is not None and {"stance", "skip_guard_eval_unsafe", "backend"} <= set(vars(stance)), (
+        "torch._dynamo.eval_frame._stance moved: update forward._stance_is_default")
+    assert _stance_is_default()
+    for other in (dict(stance="force_eager"), dict(stance="default", skip_guard_eval_unsafe=True)):
+        with torch.compiler.set_stance(**other):
+            assert not _stance_is_default(), other
+    double = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    torch._dynamo.reset()
+    double(torch.ones(2))
+    try:
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True), pytest.raises(RuntimeError) as error:
+            double(torch.ones(3))
+        assert "skip_guard_eval_unsafe" in str(error.value), (
+            "torch's error for a skip_guard_eval_unsafe call that matches no graph changed: update GuardedSteps")
+    finally:
+        torch._dynamo.reset()

@@ -847,6 +847,113 @@ def test_compiled_mars_has_its_own_recompile_budget(peaky):
     _forget_compiled(model)
 
 
+def _stances_of_compiled_steps(monkeypatch):
+    """Record torch.compile's stance as each compiled decode step starts (what its guards ran under)."""
+    from hf_mars.generation import decoder as decoder_module
+
+    stances, real = [], decoder_module.compiled_decode_call
+
+    def recording(model, compile_config):
+        call = real(model, compile_config)
+
+        def step(**kwargs):
+            stance = torch._dynamo.eval_frame._stance
+            stances.append(stance.stance + ("+skip" if stance.skip_guard_eval_unsafe else ""))
+            return call(**kwargs)
+        return step
+
+    monkeypatch.setattr(decoder_module, "compiled_decode_call", recording)
+    return stances
+
+
+@pytest.mark.skipif(not gen.STATIC_CACHE_SUPPORTED, reason="static cache layers roll back from transformers 5.24 on")
+def test_compiled_steps_check_guards_in_full_once_per_layout(peaky, monkeypatch):
+    """A generation's first compiled step runs torch.compile's full guards; its later steps of the same input
+    layout only the differentiating ones (skip_guard_eval_unsafe) - not with mars_guard_every_step, not while a
+    non-daemon thread is alive, and never over a stance the user set. The output is the same every way."""
+    import threading
+
+    model, tok = peaky
+    stances = _stances_of_compiled_steps(monkeypatch)
+    enc = tok(PROMPTS[:1], return_tensors="pt")
+    kw = dict(max_new_tokens=16, cache_implementation="static", compile_config=_counting_compile_config([]),
+              mars_threshold=0.5)
+    _forget_compiled(model)
+    try:
+        first = _greedy(model, enc, **kw)
+        assert stances[0] == "default" and len(stances) > 2 and set(stances[1:]) == {"default+skip"}, stances
+        runs = {"every step": dict(mars_guard_every_step=True)}
+        for name, extra in runs.items():
+            stances.clear()
+            assert torch.equal(_greedy(model, enc, **kw, **extra), first)
+            assert set(stances) == {"default"}, (name, stances)
+        for daemon, expected in ((False, {"default"}), (True, {"default", "default+skip"})):
+            release = threading.Event()
+            other = threading.Thread(target=release.wait, daemon=daemon)
+            other.start()
+            try:
+                stances.clear()
+                assert torch.equal(_greedy(model, enc, **kw), first)
+            finally:
+                release.set()
+                other.join()
+            assert set(stances) == expected, (daemon, stances)
+        stances.clear()
+        with torch.compiler.set_stance("fail_on_recompile"):  # warmed up: no recompile; the stance is kept
+            assert torch.equal(_greedy(model, enc, **kw), first)
+        assert set(stances) == {"fail_on_recompile"}, stances
+    finally:
+        _forget_compiled(model)
+
+
+@pytest.mark.skipif(not gen.STATIC_CACHE_SUPPORTED, reason="static cache layers roll back from transformers 5.24 on")
+def test_compiled_steps_see_a_model_changed_between_generations(peaky):
+    """A module replaced between two generations is a change only a non-tensor guard sees: each generation's first
+    step checks every guard, so the next one recompiles and decodes what the changed model decodes (and the
+    graphs of both stay told apart when the module comes back)."""
+    model, tok = peaky
+    enc = tok(PROMPTS[:1], return_tensors="pt")
+    kw = dict(max_new_tokens=16, cache_implementation="static", mars_threshold=0.5)
+    compiled = dict(kw, compile_config=_counting_compile_config([]))
+    mlp = model.model.layers[0].mlp
+    original = mlp.act_fn
+    _forget_compiled(model)
+    try:
+        eager = _greedy(model, enc, **kw)
+        assert torch.equal(_greedy(model, enc, **compiled), eager)
+        mlp.act_fn = torch.nn.Tanh()
+        changed = _greedy(model, enc, **kw)
+        assert not torch.equal(changed, eager), "the replaced module must change the output"
+        assert torch.equal(_greedy(model, enc, **compiled), changed)
+        mlp.act_fn = original
+        assert torch.equal(_greedy(model, enc, **compiled), eager)
+    finally:
+        mlp.act_fn = original
+        _forget_compiled(model)
+
+
+def test_guarded_steps_rerun_with_full_guards_when_the_checks_fail():
+    """An input whose layout key matches but whose tensor guards do not (another stride): the differentiating
+    guards find no graph and torch raises before running one; the step is rerun with full guards (a new graph)."""
+    from hf_mars.generation.forward import GuardedSteps
+
+    graphs = []
+
+    def backend(gm, inputs, **options):
+        graphs.append(1)
+        return gm.forward
+
+    call = GuardedSteps(torch.compile(lambda x: x.cumsum(0) * 2, backend=backend, dynamic=False))
+    torch._dynamo.reset()
+    contiguous = torch.arange(6.0).view(2, 3)
+    strided = torch.arange(6.0).view(3, 2).t()
+    assert torch.equal(call(x=contiguous), contiguous.cumsum(0) * 2)
+    assert torch.equal(call(x=contiguous), contiguous.cumsum(0) * 2) and len(graphs) == 1
+    assert torch.equal(call(x=strided), strided.cumsum(0) * 2) and len(graphs) == 2
+    assert torch.equal(call(x=strided), strided.cumsum(0) * 2) and len(graphs) == 2
+    torch._dynamo.reset()
+
+
 @pytest.mark.skipif(not gen.STATIC_CACHE_SUPPORTED, reason="static cache layers roll back from transformers 5.24 on")
 @pytest.mark.parametrize("batch", [1, 3])
 def test_compiled_prefill_runs_a_few_padded_widths(peaky, batch):

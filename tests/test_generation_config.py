@@ -41,7 +41,7 @@ def test_defaults_and_the_verify_defaults():
     (dict(max_accept=0), "mars_max_accept"), (dict(cache="paged"), "mars_cache"),
     (dict(cache_block=1.5), "mars_cache_block"), (dict(verify="yes"), "mars_verify"),
     (dict(verify=True, cache="block"), "mars_cache='sliding'"), (dict(use_last_mask=1), "mars_use_last_mask"),
-    (dict(compile_prefill="yes"), "mars_compile_prefill")])
+    (dict(compile_prefill="yes"), "mars_compile_prefill"), (dict(guard_every_step=0), "mars_guard_every_step")])
 def test_bad_values_are_refused_when_built(bad, says):
     with pytest.raises(ValueError, match=says):
         MARSGenerationConfig(**bad)

@@ -19,7 +19,7 @@ from .cache import RollbackCache
 from .clients import history_free, sort_clients
 from .config import mask_token_id
 from .exact import decide_exact
-from .forward import compiled_decode_call, compiled_prefill_call, pad_prefill, takes_logits_to_keep
+from .forward import GuardedSteps, compiled_decode_call, compiled_prefill_call, pad_prefill, takes_logits_to_keep
 from .plan import plan_step, to_device
 from .rules import (
     Decision,
@@ -177,7 +177,8 @@ class MARSDecoder:
         static cache, an accelerator or compile_config._compile_all_devices, not disabled). The prefill runs
         eagerly (``mars_compile_prefill``: compiled too, padded with masks to one of a few widths: `pad_prefill`). A
         compiled step keeps one width (extra masks at the end change nothing before them under causal attention) so
-        that one graph serves every step: the widest [committed | drafts] run plus the K-1 masks."""
+        that one graph serves every step: the widest [committed | drafts] run plus the K-1 masks; its guards are
+        evaluated in full once per input layout (`GuardedSteps`)."""
         model, opts, shape = self.model, self.opts, self.shape
         self.model_forward = self.decode_forward = model.__call__
         self.prefill_forward = None
@@ -188,7 +189,7 @@ class MARSDecoder:
         if wants and self.cache.static and getattr(self.cache.cache, "is_compileable", False) and (
                 getattr(getattr(model, "hf_quantizer", None), "is_compileable", True)):
             compile_config = compile_config or model._default_compile_config()
-            self.decode_forward = compiled_decode_call(model, compile_config)
+            self.decode_forward = GuardedSteps(compiled_decode_call(model, compile_config), opts.guard_every_step)
             if opts.compile_prefill:
                 self.prefill_forward = compiled_prefill_call(model, compile_config)
             if not shape.block and not (shape.one_token and not opts.verify):

@@ -1,5 +1,6 @@
 """The model forward of MARS steps: whether it can skip the LM head on unread columns, and its compiled calls (the
-decode steps'; with ``mars_compile_prefill`` the prefill's, padded to one of a few widths).
+decode steps', their guards checked in full once per input layout of a generation: `GuardedSteps`; with
+``mars_compile_prefill`` the prefill's, padded to one of a few widths).
 
 Kept apart from the loop (`decoder.py`): these are facts about the model and torch.compile, read once per model.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 
 import torch
 
@@ -84,3 +86,64 @@ def pad_prefill(input_ids, position_ids, capacity: int, mask_col, max_positions:
             extra = extra.clamp(max=max_positions - 1)
         position_ids = torch.cat([position_ids, extra], dim=1)
     return input_ids, position_ids, pad
+
+
+def _layout(value):
+    """What a guard could tell apart in one argument of a compiled call, as a hashable key: a tensor's dtype, shape
+    and device; a constant's value; any other object's identity (within one generation: the cache)."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, tuple(value.shape), value.device
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return id(value)
+
+
+def _alone() -> bool:
+    """Whether every other Python thread is a daemon: none that would run compiled code while a step holds the
+    process-wide stance (a daemon thread doing so is the one case this cannot see: `GuardedSteps`)."""
+    current = threading.current_thread()
+    return all(thread is current or thread.daemon for thread in threading.enumerate())
+
+
+def _stance_is_default() -> bool:
+    """Whether torch.compile runs in its default stance (a user's ``set_stance``, e.g. "force_eager", is left
+    alone). Reads torch's private stance record; if it moved, guards are checked on every step."""
+    stance = getattr(getattr(torch._dynamo, "eval_frame", None), "_stance", None)
+    return (stance is not None and getattr(stance, "stance", None) == "default"
+            and getattr(stance, "skip_guard_eval_unsafe", True) is False and getattr(stance, "backend", 0) is None)
+
+
+class GuardedSteps:
+    """A generation's compiled decode call whose guards are checked in full only on the first step of each input
+    layout (unless ``mars_guard_every_step``).
+
+    Before running a graph, torch.compile evaluates its guards: ~700 checks on a small model (every module, config
+    value and tensor the forward touched), 0.3-0.5 ms per step on CPU, a tenth of a short answer. Within one
+    generation nothing they check changes between steps but the step's own inputs (same shapes, the same cache
+    object, its contents updated in place). So the first step of each input layout (None-ness, constants, tensor
+    shapes) runs with full guards, which also catch anything changed since the last generation (weights swapped, a
+    module replaced, another cache) and recompile for it; later steps of that layout run in torch's
+    ``skip_guard_eval_unsafe`` stance, which still checks every tensor guard and every guard that ever told two of
+    the call's graphs apart, and raises rather than run a graph its checks do not match (the step is then rerun
+    with full guards). The stance is process-wide, so it is used only while every other Python thread is a daemon
+    (progress-bar monitors, notebook kernels' I/O; not a thread running ``generate`` beside the main one, nor the
+    main thread when ``generate`` runs in another) and torch.compile is in its default stance."""
+
+    def __init__(self, call, every_step: bool = False):
+        self.call, self.every_step = call, every_step
+        self.checked = set()  # input layouts a fully guarded step of this generation has run
+
+    def __call__(self, **kwargs):
+        layout = tuple((name, _layout(value)) for name, value in kwargs.items())
+        if layout in self.checked and _alone() and _stance_is_default():
+            try:
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    return self.call(**kwargs)
+            except RuntimeError as error:  # raised before the graph runs: no graph matched the checks it made
+                if "skip_guard_eval_unsafe" not in str(error):
+                    raise
+                self.checked.discard(layout)
+        out = self.call(**kwargs)
+        if not self.every_step:
+            self.checked.add(layout)
+        return out
