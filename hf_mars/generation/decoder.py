@@ -282,10 +282,9 @@ class MARSDecoder:
             slot_logits = logits[:, offset:offset + S]
         else:  # (batches only: one row is always uniform)
             slot_logits = logits.gather(1, plan.slot_col_t[:, :, None].expand(-1, -1, logits.shape[-1]))
-        slot_logits = slot_logits.to(dtype=torch.float32, copy=True)
+        slot_logits = slot_logits.float()  # (a view of the forward's output where it already is float32)
         raw_logits = slot_logits.clone() if self.output_logits else None  # output_logits: before any processing
-        slot_logits.index_fill_(-1, self.suppress_t, -math.inf)
-        return slot_logits, raw_logits
+        return slot_logits.index_fill(-1, self.suppress_t, -math.inf), raw_logits  # (a new tensor: one op)
 
     # ---------------------------------------------------------------- deciding (processors, then the rules)
     def process(self, plan, slot_logits, chain, stop_at_ends=False):

@@ -147,7 +147,8 @@ def lay_out(dec, plan) -> None:
         add("q_idx_t", [min(plan.drafts[r] + 1 + j, S - 1) for r in range(b) for j in range(M)])
     if not flat:
         return
-    for name, part in zip(names, to_device(flat, dec.device).split(sizes)):
+    values = to_device(flat, dec.device)
+    for name, part in zip(names, values.split(sizes) if len(sizes) > 1 else (values,)):
         if name in ("input_ids", "pos_t", "real_t"):
             part = part.view(b, W)
         elif name == "active_t":
