@@ -1,11 +1,14 @@
-"""What `mars_compile_prefill` buys a short answer: per call at batch 1, interleaved in one process.
+"""What `mars_compile_prefill` and guards checked once per layout buy a short answer: per call at batch 1,
+interleaved in one process.
 
-Three ways, each once per prompt in rotating order after a warm-up pass (which compiles every graph), median and
+Four ways, each once per prompt in rotating order after a warm-up pass (which compiles every graph), median and
 total time over the repeats:
 
 - ``reference``: MARS without a KV cache, as the method's authors sample (`hf_mars.demo.short_answers`);
 - ``static+compile``: ``generate(mars=True)`` on a static cache, decode steps compiled, the prefill eager;
-- ``+ compiled prefill``: the same with ``mars_compile_prefill=True``.
+- ``+ compiled prefill``: the same with ``mars_compile_prefill=True``;
+- ``+ compiled prefill, guards every step``: the same with ``mars_guard_every_step=True`` (torch.compile's guards
+  evaluated in full before every decode step, rather than on a generation's first step of each input layout).
 
     OMP_NUM_THREADS=1 python benchmarks/compile_prefill.py --model runs/demo/mars-checkpoint --num-prompts 24 \
         --repeats 3 --output benchmarks/compile_prefill.json
@@ -58,6 +61,8 @@ def main(argv=None):
         "reference": lambda ids: no_cache_decode(model, ids, mask_token_id(model), block, tau, n, eos)[0],
         "static+compile": mars,
         "+ compiled prefill": lambda ids: mars(ids, mars_compile_prefill=True),
+        "+ compiled prefill, guards every step": lambda ids: mars(ids, mars_compile_prefill=True,
+                                                               mars_guard_every_step=True),
     }
     names = list(ways)
     answers = {w: [ways[w](ids) for ids in prompts] for w in names}  # warm-up: every graph compiles here
@@ -75,7 +80,7 @@ def main(argv=None):
             "identical_to_reference": sum(a[:len(b)] == b for a, b in zip(answers[w], answers["reference"]))}
         for w in names}}
     for w, r in result["ways"].items():
-        print(f"{w:>20}: {r['median_ms']:6.1f} ms/call  {r['vs_reference']:.2f}x reference  "
+        print(f"{w:>38}: {r['median_ms']:6.1f} ms/call  {r['vs_reference']:.2f}x reference  "
               f"identical {r['identical_to_reference']}/{len(prompts)}")
     if args.output:
         with open(args.output, "w") as f:
