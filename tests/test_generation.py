@@ -81,7 +81,8 @@ def _counting_compile_config(graphs, **kw):
 def _forget_compiled(model):
     """Fresh Dynamo state; no compiled call or static cache size kept on the model."""
     torch._dynamo.reset()
-    for key in ("_compiled_call", "_mars_compiled_call", "_mars_compiled_prefill", "_mars_static_cache_length"):
+    for key in ("_compiled_call", "_mars_compiled_call", "_mars_compiled_read", "_mars_compiled_prefill",
+                "_mars_static_cache_length"):
         model.__dict__.pop(key, None)
 
 
@@ -851,18 +852,21 @@ def _stances_of_compiled_steps(monkeypatch):
     """Record torch.compile's stance as each compiled decode step starts (what its guards ran under)."""
     from hf_mars.generation import decoder as decoder_module
 
-    stances, real = [], decoder_module.compiled_decode_call
+    stances = []
 
-    def recording(model, compile_config):
-        call = real(model, compile_config)
+    def recording(real):
+        def compiled(model, compile_config):
+            call = real(model, compile_config)
 
-        def step(**kwargs):
-            stance = torch._dynamo.eval_frame._stance
-            stances.append(stance.stance + ("+skip" if stance.skip_guard_eval_unsafe else ""))
-            return call(**kwargs)
-        return step
+            def step(**kwargs):
+                stance = torch._dynamo.eval_frame._stance
+                stances.append(stance.stance + ("+skip" if stance.skip_guard_eval_unsafe else ""))
+                return call(**kwargs)
+            return step
+        return compiled
 
-    monkeypatch.setattr(decoder_module, "compiled_decode_call", recording)
+    for name in ("compiled_decode_call", "compiled_read_call"):
+        monkeypatch.setattr(decoder_module, name, recording(getattr(decoder_module, name)))
     return stances
 
 
@@ -881,6 +885,7 @@ def test_compiled_steps_check_guards_in_full_once_per_layout(peaky, monkeypatch)
     _forget_compiled(model)
     try:
         first = _greedy(model, enc, **kw)
+        assert "_mars_compiled_read" in model.__dict__, "greedy with no processor: the compiled step reads its slots"
         assert stances[0] == "default" and len(stances) > 2 and set(stances[1:]) == {"default+skip"}, stances
         runs = {"every step": dict(mars_guard_every_step=True)}
         for name, extra in runs.items():

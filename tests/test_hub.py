@@ -312,7 +312,7 @@ EXPECTED_FILES = sorted(["README.md", "chat_template.jinja", "config.json", "cus
                          "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
                         + [f"custom_generate/{name}.py" for name in ("api", "cache", "clients", "config", "decoder",
                                                                        "exact", "forward", "generate", "plan", "rules",
-                                                                       "tree")])
+                                                                       "state", "tree")])
 
 
 def test_dry_run_lists_exactly_what_upload_folder_commits(saved, tmp_path, monkeypatch, no_network):

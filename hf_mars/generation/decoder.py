@@ -2,15 +2,14 @@
 
 One step reads top to bottom (`MARSDecoder.step`): plan (per-row counts, `plan.py`), build the chunk (each row's
 uncached committed tokens, pending drafts, mask tokens), one forward over the KV cache, read the candidate
-slots, decide (logits processors, then the rules of `rules.py`, one host sync), roll the cache back
-(`cache.py`), commit. Two cases move the rows in lockstep (the same count per step): stateful logits processors
+slots (logits processors, one host sync; a compiled greedy step with no processor reads them in its graph), decide
+(the rules of `rules.py`, on the host), roll the cache back (`cache.py`), commit. Two cases move the rows in lockstep (the same count per step): stateful logits processors
 or criteria (they must see exactly the calls plain decoding makes: `exact.py`), and sliding-window caches or a
 static block cache (a window counts cache columns; a block's chunk spans the rows).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -19,7 +18,14 @@ from .cache import RollbackCache
 from .clients import history_free, sort_clients
 from .config import mask_token_id
 from .exact import decide_exact
-from .forward import GuardedSteps, compiled_decode_call, compiled_prefill_call, pad_prefill, takes_logits_to_keep
+from .forward import (
+    GuardedSteps,
+    compiled_decode_call,
+    compiled_prefill_call,
+    compiled_read_call,
+    pad_prefill,
+    takes_logits_to_keep,
+)
 from .plan import plan_step, to_device
 from .rules import (
     Decision,
@@ -32,6 +38,7 @@ from .rules import (
     threshold_run,
     verified_drafts,
 )
+from .state import Rows, Shape, SlotRead
 
 # model kwargs the loop manages itself ("past_key_values" is the cache's name before transformers 5.2x)
 LOOP_KWARGS = ("cache", "past_key_values", "attention_mask", "position_ids", "use_cache", "logits_to_keep",
@@ -40,55 +47,6 @@ LOOP_KWARGS = ("cache", "past_key_values", "attention_mask", "position_ids", "us
 
 def cache_key(model_kwargs) -> str:
     return "past_key_values" if "past_key_values" in model_kwargs and "cache" not in model_kwargs else "cache"
-
-
-@dataclasses.dataclass
-class Shape:
-    """The geometry of every step: how many candidates, drafts and chunk columns."""
-
-    candidates: int  # candidate slots per step: the AR token + the masks read (B, or B + 1 with the last mask)
-    max_drafts: int  # verify mode: drafts a step may propose
-    one_token: bool  # tau >= 1 (or a stateful processor that cannot be copied): one token per forward
-    block: bool  # block-level cache (chunks of `chunk` positions over a frozen prefix)
-    chunk: int
-    fixed_width: int | None = None  # compiled steps: the one chunk width every step is padded to
-
-
-@dataclasses.dataclass
-class Rows:
-    """Per-row state on the host (python lists, one entry per row): mirrors that cost no device sync."""
-
-    emitted: list  # tokens emitted
-    fed: list  # generated index of the first token not in the cache (-P: the prompt is not fed yet)
-    unfinished: list
-    in_chunk: list  # block cache: tokens accepted in the current chunk
-    tokens: list  # each row's emitted tokens
-    drafts: list  # verify mode: each row's pending drafts
-    forwards: list  # forward passes each row took part in
-    streamed: list  # lagging criteria: tokens streamed (never past `checked`)
-    limit: list  # new tokens each row may emit
-    chunk_start: bool = True  # block cache: the next step starts a chunk
-    checked: int = 0  # lagging criteria: positions 1..checked have had their AR call
-
-    @classmethod
-    def new(cls, b: int, prompt_len: int, limit: int) -> Rows:
-        return cls(emitted=[0] * b, fed=[-prompt_len] * b, unfinished=[True] * b, in_chunk=[0] * b,
-                   tokens=[[] for _ in range(b)], drafts=[[] for _ in range(b)], forwards=[0] * b, streamed=[0] * b,
-                   limit=[limit] * b)
-
-    def select(self, keep: list) -> None:
-        """Keep only the rows ``keep`` (in that order)."""
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, list):
-                setattr(self, f.name, [value[i] for i in keep])
-
-    def extend(self, other: Rows) -> None:
-        """Append another generation's rows."""
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, list):
-                value.extend(getattr(other, f.name))
 
 
 class MARSDecoder:
@@ -178,10 +136,11 @@ class MARSDecoder:
         eagerly (``mars_compile_prefill``: compiled too, padded with masks to one of a few widths: `pad_prefill`). A
         compiled step keeps one width (extra masks at the end change nothing before them under causal attention) so
         that one graph serves every step: the widest [committed | drafts] run plus the K-1 masks; its guards are
-        evaluated in full once per input layout (`GuardedSteps`)."""
+        evaluated in full once per input layout (`GuardedSteps`). Greedy with no logits processor (nothing between
+        the logits and the rules), the compiled step also reads its slots (`_forward_read`)."""
         model, opts, shape = self.model, self.opts, self.shape
         self.model_forward = self.decode_forward = model.__call__
-        self.prefill_forward = None
+        self.prefill_forward = self.read_forward = None
         compile_config = getattr(generation_config, "compile_config", None)
         wants = not getattr(generation_config, "disable_compile", False) and (
             self.device.type in ("cuda", "xpu", "neuron", "tpu")
@@ -194,6 +153,10 @@ class MARSDecoder:
                 self.prefill_forward = compiled_prefill_call(model, compile_config)
             if not shape.block and not (shape.one_token and not opts.verify):
                 shape.fixed_width = (1 + shape.max_drafts if opts.verify else shape.candidates) + shape.candidates - 1
+            if shape.fixed_width and not (self.do_sample or self.clients.reads_history or self.clients.processors
+                                          or self.output_scores or self.output_logits):
+                self.read_forward = GuardedSteps(compiled_read_call(model, compile_config), opts.guard_every_step)
+                self.tau_all = torch.full((self.batch, 1), opts.threshold, dtype=torch.float32, device=self.device)
         self.cache_key = cache_key(model_kwargs)
         self.extra_forward_kwargs = {k: v for k, v in model_kwargs.items() if k not in LOOP_KWARGS}
         self.supports_logits_to_keep = takes_logits_to_keep(model)
@@ -203,9 +166,13 @@ class MARSDecoder:
         """One forward and everything it decides; False once every row has finished."""
         plan = plan_step(self)
         input_ids, position_ids, col_real = self._chunk(plan)
-        logits = self._forward(plan, input_ids, position_ids, col_real)
-        slot_logits, raw_logits = self._candidate_slots(plan, logits)
-        decision = decide_exact(self, plan, slot_logits) if self.clients.exact else self._decide(plan, slot_logits)
+        if plan.read_slots:  # (compiled, greedy, no processor: the graph reads the slots)
+            decision, raw_logits = self._decide(plan, self._forward_read(plan, input_ids, position_ids, col_real)), None
+        else:
+            logits = self._forward(plan, input_ids, position_ids, col_real)
+            slot_logits, raw_logits = self._candidate_slots(plan, logits)
+            decision = decide_exact(self, plan, slot_logits) if self.clients.exact else self._decide(
+                plan, self._read_slots(plan, slot_logits))
         accepted = [len(t) for t in decision.tokens]
         if self.records is not None:
             self.records.append((decision.scores if self.output_scores else None, raw_logits, accepted))
@@ -245,10 +212,7 @@ class MARSDecoder:
     def _forward(self, plan, input_ids, position_ids, col_real, attention_mask=None):
         """The model forward over the chunk (the cache is updated in place); the logits from candidate 0 on.
         ``attention_mask``: a prepared 4D mask (a draft tree's); else the 2D one from the chunk's real columns."""
-        if attention_mask is None and col_real is not None:
-            attention_mask = self.cache.attention_mask(col_real, self.device)
-        kwargs = dict(self.extra_forward_kwargs)
-        kwargs[self.cache_key] = self.cache.cache
+        kwargs = self._model_inputs(col_real, attention_mask)
         forward, kept, pad = self.model_forward if plan.first else self.decode_forward, plan.logits_kept, 0
         logits_to_keep = kept
         if plan.first and self.prefill_forward is not None:
@@ -262,15 +226,40 @@ class MARSDecoder:
             kwargs["logits_to_keep"] = logits_to_keep
         if self.last_position is not None:
             position_ids = position_ids.clamp(max=self.last_position)
-        out = forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      use_cache=True, return_dict=True, **kwargs)
+        out = forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
         if pad:  # the padding leaves no trace in the cache
             self.cache.cache.crop(-pad)
-        for r in range(self.batch):
-            self.rows.forwards[r] += self.rows.unfinished[r]
+        self._count_forward()
         # the kept columns end where the chunk did (logits_to_keep returned only them; else the padding follows)
         end = out.logits.shape[1] - (0 if self.supports_logits_to_keep else pad)
         return out.logits[:, end - kept:end]
+
+    def _model_inputs(self, col_real, attention_mask) -> dict:
+        """A forward's arguments besides input_ids and position_ids: the cache, the mask (``attention_mask``, a
+        prepared 4D one, else the 2D one from the chunk's real columns) and the caller's other model inputs."""
+        if attention_mask is None and col_real is not None:
+            attention_mask = self.cache.attention_mask(col_real, self.device)
+        kwargs = dict(self.extra_forward_kwargs, attention_mask=attention_mask, use_cache=True, return_dict=True)
+        kwargs[self.cache_key] = self.cache.cache
+        return kwargs
+
+    def _count_forward(self):
+        for r in range(self.batch):
+            self.rows.forwards[r] += self.rows.unfinished[r]
+
+    def _forward_read(self, plan, input_ids, position_ids, col_real) -> SlotRead:
+        """A compiled decode step that reads its own slots (`forward.compiled_read_call`): every slot's token and
+        flag, over all ``max_slots`` slots (one graph), the columns each reads laid out by the plan."""
+        kwargs = self._model_inputs(col_real, None)
+        if self.supports_logits_to_keep:
+            kwargs["logits_to_keep"] = plan.logits_kept
+        if self.last_position is not None:
+            position_ids = position_ids.clamp(max=self.last_position)
+        flat = self.read_forward(slot_cols=plan.slot_col_t, suppress=self.suppress_t, acceptance=self.opts.acceptance,
+                                 tau=self.tau_all if self.tau_t is None else self.tau_t, input_ids=input_ids,
+                                 position_ids=position_ids, **kwargs)
+        self._count_forward()
+        return SlotRead(flat.tolist(), self.max_slots, True, False, None)
 
     def _candidate_slots(self, plan, logits):
         """Slot s of row r reads the logits column before its drafts and masks, plus s. Returns the float32 slot
@@ -344,12 +333,9 @@ class MARSDecoder:
             self.row_tau = list(taus)
             self.tau_t = torch.tensor(taus, dtype=torch.float32).view(-1, 1).to(self.device)
 
-    def _decide(self, plan, slot_logits) -> Decision:
-        """Process the candidates, bring each slot's token and flags to the host (the step's one sync) and apply
-        the rules there: threshold mode accepts candidate 0 and then slots while confident; verify accepts the
-        pending drafts AR agrees with plus one AR token and, when all were accepted, proposes the confident mask
-        slots after it as the next drafts. Stops (EOS, then other criteria) cut a run; lockstep evens runs."""
-        b, S, opts = self.batch, plan.max_slots, self.opts
+    def _read_slots(self, plan, slot_logits) -> SlotRead:
+        """Process the candidates and bring each slot's token and flags to the host: the step's one sync."""
+        S, opts = plan.max_slots, self.opts
         scores, chosen = self.process(plan, slot_logits, self.clients.processors)
         parts, flags = [chosen.view(-1)], not (self.shape.one_token or S == 1)
         if flags:
@@ -363,7 +349,15 @@ class MARSDecoder:
                 parts += [kept.view(-1), resampled.view(-1)]
             if plan.q_idx_t is not None:  # the distributions the next drafts are drawn from
                 self.q_drafts = probs.gather(1, plan.q_idx_t[:, :, None].expand(-1, -1, probs.shape[-1]))
-        host = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()
+        return SlotRead(torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist(), S, flags, sampled, scores)
+
+    def _decide(self, plan, read: SlotRead) -> Decision:
+        """Apply the rules to a step's slots on the host: threshold mode accepts candidate 0 and then slots while
+        confident; verify accepts the pending drafts AR agrees with plus one AR token and, when all were accepted,
+        proposes the confident mask slots after it as the next drafts. Stops (EOS, then other criteria) cut a run;
+        lockstep evens runs."""
+        b, opts, Dm = self.batch, self.opts, max(plan.drafts)
+        host, S, flags, sampled, scores = read
         ok = host[b * S:2 * b * S] if flags else None
         kept_at = b * S * (1 + flags)  # then, sampling verify: kept (b x Dm), the residual's tokens (b x Dm)
         tokens, stopped = [[] for _ in range(b)], [False] * b

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import threading
 
 import torch
+
+from .rules import choose, confidence
 
 
 @functools.lru_cache(maxsize=64)
@@ -27,6 +30,19 @@ def takes_logits_to_keep(model) -> bool:
 
 def _decode_call(model, **kwargs):
     return model(**kwargs)
+
+
+def _read_call(model, slot_cols, suppress, tau, acceptance, **kwargs):
+    """A decode step that reads its candidate slots too (greedy, no logits processor): each slot's token and whether
+    it clears tau, flat as [tokens | flags] - what `MARSDecoder._read_slots` computes eagerly after a forward, with
+    the same rules, here in the graph (seven small ops a step fewer outside it). ``slot_cols``: the logits column
+    each slot reads; ``tau``: a tensor (a float would specialise the graph per value)."""
+    logits = model(**kwargs).logits
+    slots = logits.gather(1, slot_cols[:, :, None].expand(-1, -1, logits.shape[-1])).float()
+    slots = slots.index_fill(-1, suppress, -math.inf)
+    chosen = choose(slots, False)
+    confident = confidence(acceptance, chosen, slots, of_distribution=True) >= tau
+    return torch.cat([chosen.view(-1), confident.view(-1)])
 
 
 def _prefill_call(model, **kwargs):  # the same call, another code object: Dynamo counts recompiles per code object
@@ -53,6 +69,12 @@ def compiled_decode_call(model, compile_config):
     process, whose static caches are sized per longest prompt so far; past the limit (8) Dynamo runs that code
     eagerly. MARS's one graph per shape must not share that budget (nor spend plain's)."""
     return _compiled(model, compile_config, _decode_call, "_mars_compiled_call")
+
+
+def compiled_read_call(model, compile_config):
+    """The compiled decode step that reads its own slots (`_read_call`), kept on the model per compile config (a code
+    object of its own, as `compiled_decode_call`)."""
+    return _compiled(model, compile_config, _read_call, "_mars_compiled_read")
 
 
 def compiled_prefill_call(model, compile_config):

@@ -41,6 +41,7 @@ class StepPlan:
     max_slots: int = 0
     logits_kept: int = 0  # logits kept from the end of the chunk: from candidate 0 (before drafts and masks) on
     uniform: bool = False  # every active row has the same drafts and masks: its slots are a plain slice
+    read_slots: int = 0  # compiled steps that read their slots in the graph: all of dec.max_slots, every step
     width: int = 0  # columns of the chunk
     input_ids: torch.Tensor | None = None  # the chunk (decode steps)
     pos_t: torch.Tensor | None = None  # batches: position ids of the chunk
@@ -99,6 +100,7 @@ def plan_step(dec) -> StepPlan:
         plan.logits_kept = shape.fixed_width
     plan.uniform = len({(plan.masks[r], plan.drafts[r]) for r in plan.rows}) == 1
     plan.width = max(plan.lens)
+    plan.read_slots = dec.max_slots if dec.read_forward is not None and not plan.first else 0
     lay_out(dec, plan)
     return plan
 
@@ -129,11 +131,11 @@ def lay_out(dec, plan) -> None:
         if b > 1:
             add("pos_t", pos)
             add("real_t", real)
-    if not plan.uniform:  # rows of different layouts: which logits column each slot reads
+    if not plan.uniform or plan.read_slots:  # rows of different layouts (or a graph's read): each slot's column
         cols = []
         for r in range(b):
             c0 = kept - (plan.masks[r] + plan.drafts[r] + 1) if plan.active[r] else 0
-            cols += [min(c0 + s, kept - 1) for s in range(S)]
+            cols += [min(c0 + s, kept - 1) for s in range(plan.read_slots or S)]
         add("slot_col_t", cols)
     if dec.reads_history:
         add("slot_pos_t", [P + rows.emitted[r] + s for r in range(b) for s in range(S)])
@@ -156,5 +158,5 @@ def lay_out(dec, plan) -> None:
         elif name == "q_idx_t":
             part = part.view(b, M)
         else:
-            part = part.view(b, S)
+            part = part.view(b, -1)
         setattr(plan, name, part.bool() if name == "forced_mask_t" else part)

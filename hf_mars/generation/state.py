@@ -1,0 +1,71 @@
+"""What a MARS generation keeps between steps on the host: the geometry of its steps (`Shape`), its rows' state
+(`Rows`) and one step's slots read back from the device (`SlotRead`). Plain python values: reading them costs no
+device sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+
+
+@dataclasses.dataclass
+class Shape:
+    """The geometry of every step: how many candidates, drafts and chunk columns."""
+
+    candidates: int  # candidate slots per step: the AR token + the masks read (B, or B + 1 with the last mask)
+    max_drafts: int  # verify mode: drafts a step may propose
+    one_token: bool  # tau >= 1 (or a stateful processor that cannot be copied): one token per forward
+    block: bool  # block-level cache (chunks of `chunk` positions over a frozen prefix)
+    chunk: int
+    fixed_width: int | None = None  # compiled steps: the one chunk width every step is padded to
+
+
+@dataclasses.dataclass
+class Rows:
+    """Per-row state on the host (python lists, one entry per row): mirrors that cost no device sync."""
+
+    emitted: list  # tokens emitted
+    fed: list  # generated index of the first token not in the cache (-P: the prompt is not fed yet)
+    unfinished: list
+    in_chunk: list  # block cache: tokens accepted in the current chunk
+    tokens: list  # each row's emitted tokens
+    drafts: list  # verify mode: each row's pending drafts
+    forwards: list  # forward passes each row took part in
+    streamed: list  # lagging criteria: tokens streamed (never past `checked`)
+    limit: list  # new tokens each row may emit
+    chunk_start: bool = True  # block cache: the next step starts a chunk
+    checked: int = 0  # lagging criteria: positions 1..checked have had their AR call
+
+    @classmethod
+    def new(cls, b: int, prompt_len: int, limit: int) -> Rows:
+        return cls(emitted=[0] * b, fed=[-prompt_len] * b, unfinished=[True] * b, in_chunk=[0] * b,
+                   tokens=[[] for _ in range(b)], drafts=[[] for _ in range(b)], forwards=[0] * b, streamed=[0] * b,
+                   limit=[limit] * b)
+
+    def select(self, keep: list) -> None:
+        """Keep only the rows ``keep`` (in that order)."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                setattr(self, f.name, [value[i] for i in keep])
+
+    def extend(self, other: Rows) -> None:
+        """Append another generation's rows."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                value.extend(getattr(other, f.name))
+
+
+class SlotRead(NamedTuple):
+    """A step's slots on the host: per row, ``slots`` tokens, then (``flags``) as many confidence flags, then
+    (``sampled``, verify sampling) the kept flags and the residual's tokens of its pending drafts."""
+
+    host: list
+    slots: int
+    flags: bool
+    sampled: bool
+    scores: torch.Tensor | None  # the processed scores (output_scores; None when read in the graph)
