@@ -82,7 +82,8 @@ def _time_in_place(prompts, mars):
 
     t = dict(total=0.0, preparation=0.0, setup=0.0, run=0.0, prefill=0.0, decode=0.0, graph=0.0, steps=0)
     marks = {}
-    start_decoder, run, forward = api.start_decoder, decoder.MARSDecoder.run, decoder.MARSDecoder._forward
+    start_decoder, run = api.start_decoder, decoder.MARSDecoder.run
+    forwards = {name: getattr(decoder.MARSDecoder, name) for name in ("_forward", "_forward_read")}
     graph_call = output_code.CompiledFxGraph.__call__
 
     def timed_start(*a, **k):
@@ -97,13 +98,15 @@ def _time_in_place(prompts, mars):
         t["run"] += time.perf_counter() - t0
         return out
 
-    def timed_forward(self, plan, *a, **k):
-        marks["decoding"] = not plan.first
-        t0 = time.perf_counter()
-        out = forward(self, plan, *a, **k)
-        t["prefill" if plan.first else "decode"] += time.perf_counter() - t0
-        t["steps"] += not plan.first
-        return out
+    def timed(forward):  # a step's forward (`_forward_read`: a compiled step that reads its slots in the graph)
+        def timed_forward(self, plan, *a, **k):
+            marks["decoding"] = not plan.first
+            t0 = time.perf_counter()
+            out = forward(self, plan, *a, **k)
+            t["prefill" if plan.first else "decode"] += time.perf_counter() - t0
+            t["steps"] += not plan.first
+            return out
+        return timed_forward
 
     def timed_graph(self, inputs):
         t0 = time.perf_counter()
@@ -112,7 +115,9 @@ def _time_in_place(prompts, mars):
             t["graph"] += time.perf_counter() - t0
         return out
 
-    api.start_decoder, decoder.MARSDecoder.run, decoder.MARSDecoder._forward = timed_start, timed_run, timed_forward
+    api.start_decoder, decoder.MARSDecoder.run = timed_start, timed_run
+    for name, forward in forwards.items():
+        setattr(decoder.MARSDecoder, name, timed(forward))
     output_code.CompiledFxGraph.__call__ = timed_graph
     try:
         for ids in prompts:
@@ -121,7 +126,9 @@ def _time_in_place(prompts, mars):
             t["total"] += time.perf_counter() - t0
             t["preparation"] += marks["setup"] - t0
     finally:
-        api.start_decoder, decoder.MARSDecoder.run, decoder.MARSDecoder._forward = start_decoder, run, forward
+        api.start_decoder, decoder.MARSDecoder.run = start_decoder, run
+        for name, forward in forwards.items():
+            setattr(decoder.MARSDecoder, name, forward)
         output_code.CompiledFxGraph.__call__ = graph_call
     return t
 
