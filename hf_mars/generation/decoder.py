@@ -153,8 +153,9 @@ class MARSDecoder:
                 self.prefill_forward = compiled_prefill_call(model, compile_config)
             if not shape.block and not (shape.one_token and not opts.verify):
                 shape.fixed_width = (1 + shape.max_drafts if opts.verify else shape.candidates) + shape.candidates - 1
-            if shape.fixed_width and not (self.do_sample or self.clients.reads_history or self.clients.processors
-                                          or self.output_scores or self.output_logits):
+            if shape.fixed_width and takes_logits_to_keep(model) and not (
+                    self.do_sample or self.clients.reads_history or self.clients.processors
+                    or self.output_scores or self.output_logits):
                 self.read_forward = GuardedSteps(compiled_read_call(model, compile_config), opts.guard_every_step)
                 self.tau_all = torch.full((self.batch, 1), opts.threshold, dtype=torch.float32, device=self.device)
         self.cache_key = cache_key(model_kwargs)
@@ -251,8 +252,7 @@ class MARSDecoder:
         """A compiled decode step that reads its own slots (`forward.compiled_read_call`): every slot's token and
         flag, over all ``max_slots`` slots (one graph), the columns each reads laid out by the plan."""
         kwargs = self._model_inputs(col_real, None)
-        if self.supports_logits_to_keep:
-            kwargs["logits_to_keep"] = plan.logits_kept
+        kwargs["logits_to_keep"] = plan.logits_kept  # (the slots' columns count from the kept ones)
         if self.last_position is not None:
             position_ids = position_ids.clamp(max=self.last_position)
         flat = self.read_forward(slot_cols=plan.slot_col_t, suppress=self.suppress_t, acceptance=self.opts.acceptance,
