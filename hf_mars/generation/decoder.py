@@ -1,11 +1,12 @@
 """The MARS decoding loop: the rows of one generation and the step that advances them.
 
 One step reads top to bottom (`MARSDecoder.step`): plan (per-row counts, `plan.py`), build the chunk (each row's
-uncached committed tokens, pending drafts, mask tokens), one forward over the KV cache, read the candidate
-slots (logits processors, one host sync; a compiled greedy step with no processor reads them in its graph), decide
-(the rules of `rules.py`, on the host), roll the cache back (`cache.py`), commit. Two cases move the rows in lockstep (the same count per step): stateful logits processors
-or criteria (they must see exactly the calls plain decoding makes: `exact.py`), and sliding-window caches or a
-static block cache (a window counts cache columns; a block's chunk spans the rows).
+uncached committed tokens, pending drafts, mask tokens), one forward over the KV cache, read the candidate slots
+(logits processors, one host sync; a compiled greedy step with no processor reads them in its graph), decide (the
+rules of `rules.py`, on the host), roll the cache back (`cache.py`), commit. Two cases move the rows in lockstep
+(the same count per step): stateful logits processors or criteria (they must see exactly the calls plain decoding
+makes: `exact.py`), and sliding-window caches or a static block cache (a window counts cache columns; a block's
+chunk spans the rows).
 """
 
 from __future__ import annotations
