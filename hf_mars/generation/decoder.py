@@ -36,6 +36,7 @@ from .rules import (
     lockstep,
     proposed_drafts,
     speculative_sample,
+    take_columns,
     threshold_run,
     verified_drafts,
 )
@@ -271,7 +272,7 @@ class MARSDecoder:
             offset = kept - (plan.masks[r0] + plan.drafts[r0] + 1)
             slot_logits = logits[:, offset:offset + S]
         else:  # (batches only: one row is always uniform)
-            slot_logits = logits.gather(1, plan.slot_col_t[:, :, None].expand(-1, -1, logits.shape[-1]))
+            slot_logits = take_columns(logits, plan.slot_col_t)
         slot_logits = slot_logits.float()  # (a view of the forward's output where it already is float32)
         raw_logits = slot_logits.clone() if self.output_logits else None  # output_logits: before any processing
         return slot_logits.index_fill(-1, self.suppress_t, -math.inf), raw_logits  # (a new tensor: one op)
@@ -349,7 +350,7 @@ class MARSDecoder:
                 kept, resampled = speculative_sample(probs[:, :Dm], self.q_drafts[:, :Dm], plan.forced_t[:, :Dm])
                 parts += [kept.view(-1), resampled.view(-1)]
             if plan.q_idx_t is not None:  # the distributions the next drafts are drawn from
-                self.q_drafts = probs.gather(1, plan.q_idx_t[:, :, None].expand(-1, -1, probs.shape[-1]))
+                self.q_drafts = take_columns(probs, plan.q_idx_t)
         return SlotRead(torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist(), S, flags, sampled, scores)
 
     def _decide(self, plan, read: SlotRead) -> Decision:

@@ -22,6 +22,7 @@ from .rules import (
     lockstep,
     proposed_drafts,
     speculative_sample,
+    take_columns,
     threshold_run,
 )
 
@@ -135,7 +136,7 @@ def _to_host(dec, plan, acc, stop, live, chosen, scores, all_drafts, n):
         parts += [chosen.reshape(-1), dec.confident(scores, chosen, of_distribution=True).reshape(-1)]
         if dec.do_sample and plan.q_idx_t is not None:
             probs = torch.softmax(scores, dim=-1)
-            dec.q_drafts = probs.gather(1, plan.q_idx_t[:, :, None].expand(-1, -1, probs.shape[-1]))
+            dec.q_drafts = take_columns(probs, plan.q_idx_t)
     host = torch.cat(parts).tolist()
     acc_h, stop_h, live_h, win = host[:b], host[b:2 * b], host[2 * b:3 * b], host[3 * b:3 * b + b * S]
     tokens = [win[r * S:r * S + acc_h[r]] if plan.active[r] else [] for r in range(b)]

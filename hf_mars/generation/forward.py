@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from .rules import choose, confidence
+from .rules import choose, confidence, take_columns
 
 
 @functools.lru_cache(maxsize=64)
@@ -38,7 +38,7 @@ def _read_call(model, slot_cols, suppress, tau, acceptance, **kwargs):
     the same rules, here in the graph (seven small ops a step fewer outside it). ``slot_cols``: the logits column
     each slot reads; ``tau``: a tensor (a float would specialise the graph per value)."""
     logits = model(**kwargs).logits
-    slots = logits.gather(1, slot_cols[:, :, None].expand(-1, -1, logits.shape[-1])).float()
+    slots = take_columns(logits, slot_cols).float()
     slots = slots.index_fill(-1, suppress, -math.inf)
     chosen = choose(slots, False)
     confident = confidence(acceptance, chosen, slots, of_distribution=True) >= tau
@@ -156,6 +156,8 @@ class GuardedSteps:
         self.checked = set()  # input layouts a fully guarded step of this generation has run
 
     def __call__(self, **kwargs):
+        if self.every_step:  # (mars_guard_every_step: torch's own checks, nothing kept here)
+            return self.call(**kwargs)
         layout = tuple((name, _layout(value)) for name, value in kwargs.items())
         if layout in self.checked and _alone() and _stance_is_default():
             try:
@@ -166,6 +168,5 @@ class GuardedSteps:
                     raise
                 self.checked.discard(layout)
         out = self.call(**kwargs)
-        if not self.every_step:
-            self.checked.add(layout)
+        self.checked.add(layout)
         return out

@@ -124,6 +124,11 @@ def lockstep(rows, tokens, drafts_next, stopped, pending) -> None:
 # ------------------------------------------------------------------ per distribution, on tensors
 
 
+def take_columns(values, index):
+    """Per row, the columns ``index`` (rows, K) names of ``values`` (rows, W, V): a (rows, K, V) tensor."""
+    return values.gather(1, index[:, :, None].expand(-1, -1, values.shape[-1]))
+
+
 def choose(scores, do_sample: bool):
     """The token of each processed distribution: argmax, or a draw when sampling."""
     if do_sample:

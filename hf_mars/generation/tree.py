@@ -26,7 +26,7 @@ from transformers.utils import logging as _hf_logging
 from .clients import history_free
 from .decoder import MARSDecoder
 from .plan import plan_step, to_device
-from .rules import Decision, accepted_path, confidence, cut_at_stop, leading_run
+from .rules import Decision, accepted_path, confidence, cut_at_stop, leading_run, take_columns
 
 _logger = _hf_logging.get_logger(__name__)
 
@@ -176,8 +176,7 @@ class TreeDecoder(MARSDecoder):
             plan = self._plan()
             logits = self._forward(plan, plan.input_ids, plan.pos_t, None, self._attention(plan))
             groups, trees = plan.groups, plan.trees
-            slot_logits = logits if plan.slot_col_t is None else logits.gather(
-                1, plan.slot_col_t[:, :, None].expand(-1, -1, logits.shape[-1]))
+            slot_logits = logits if plan.slot_col_t is None else take_columns(logits, plan.slot_col_t)
             slot_logits = self._suppressed(slot_logits)
         decision, paths, emit_slots = self._decide_tree(plan, slot_logits, trees, groups)
         accepted = [len(t) for t in decision.tokens]
@@ -314,8 +313,7 @@ class TreeDecoder(MARSDecoder):
         node): what output_scores and criteria read as the distributions of the emitted positions."""
         width = max(1, max(len(s) for s in emit_slots))
         index = to_device([s[i] if i < len(s) else 0 for s in emit_slots for i in range(width)], self.device)
-        index = index.view(self.batch, width)
-        return tensor.gather(1, index[:, :, None].expand(-1, -1, tensor.shape[-1]))
+        return take_columns(tensor, index.view(self.batch, width))
 
     def _path_records(self, scores, emit_slots, accepted):
         return (self._in_path_order(scores, emit_slots) if self.output_scores else None,
