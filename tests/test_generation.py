@@ -82,7 +82,7 @@ def _forget_compiled(model):
     """Fresh Dynamo state; no compiled call or static cache size kept on the model."""
     torch._dynamo.reset()
     for key in ("_compiled_call", "_mars_compiled_call", "_mars_compiled_read", "_mars_compiled_prefill",
-                "_mars_static_cache_length"):
+                "_mars_static_cache_length", "_mars_static_cache"):
         model.__dict__.pop(key, None)
 
 
@@ -753,6 +753,43 @@ def test_user_static_cache(peaky):
         _greedy(model, enc, max_new_tokens=16, mars_verify=True, **{CACHE_ARG: small})
 
 
+@pytest.mark.skipif(not gen.STATIC_CACHE_SUPPORTED, reason="static cache layers roll back from transformers 5.24 on")
+def test_static_cache_mars_made_is_reused_by_the_next_call_that_fits(peaky, monkeypatch):
+    """The static cache MARS makes waits on the model for the next call of the same length, batch and dtype
+    (reset, not rebuilt), never one the caller was handed (return_dict_in_generate) and never one that does not fit:
+    every output stays plain greedy's."""
+    import hf_mars.generation.cache as cache_module
+
+    model, tok = peaky
+    model.__dict__.pop("_mars_static_cache", None)
+    kw = dict(max_new_tokens=16, cache_implementation="static", mars_threshold=1.0)
+    one, two = (tok([p], return_tensors="pt") for p in PROMPTS[2:4])
+    batch = tok(PROMPTS, return_tensors="pt", padding=True)
+    plain = {id(enc): _greedy(model, enc, max_new_tokens=16) for enc in (one, two, batch)}
+    assert torch.equal(_greedy(model, one, **kw), plain[id(one)])
+    spare = model.__dict__["_mars_static_cache"]
+    assert spare.layers[0].is_initialized and int(spare.layers[0].cumulative_length) > 0
+    made, real_static = [], cache_module.StaticCache
+    monkeypatch.setattr(cache_module, "StaticCache", lambda *a, **k: made.append(1) or real_static(*a, **k))
+    try:
+        assert torch.equal(_greedy(model, two, **kw), plain[id(two)])
+        assert not made and model.__dict__["_mars_static_cache"] is spare  # reset and reused
+        out = _greedy(model, one, return_dict_in_generate=True, **kw)
+        handed = out.cache if "cache" in type(out).__dataclass_fields__ else out.past_key_values
+        assert handed is spare and "_mars_static_cache" not in model.__dict__  # the caller's now
+        kept = [layer.keys.clone() for layer in handed.layers]
+        assert torch.equal(_greedy(model, batch, **kw), plain[id(batch)])  # another batch size: a new cache
+        assert made and model.__dict__["_mars_static_cache"] is not spare
+        assert all(torch.equal(k, layer.keys) for k, layer in zip(kept, handed.layers))  # left alone
+        made.clear()
+        model.to(torch.float64)  # another dtype: the spare made for this batch does not fit either
+        assert torch.equal(_greedy(model, batch, **kw), _greedy(model, batch, max_new_tokens=16))
+        assert made
+    finally:
+        model.to(torch.float32)
+        model.__dict__.pop("_mars_static_cache", None)
+
+
 def test_cache_that_cannot_roll_back_is_refused(flat):
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
@@ -1114,14 +1151,18 @@ def test_one_call_and_slot_by_slot_processing_decide_alike(peaky, monkeypatch, k
     real_init = MARSDecoder.__init__
     import hf_mars.generation.decoder as decoder_module
 
+    from hf_mars.generation.clients import Clients
+
+    reads_history = Clients.reads_history.fget
+
     def init(self, *a, **k):
         real_init(self, *a, **k)
-        seen.append(self.reads_history)
-        self.reads_history = self.reads_history or on_device
+        seen.append(reads_history(self.clients))
         if on_device and not kw.get("do_sample"):
             monkeypatch.setattr(decoder_module, "history_free", lambda chain: False)
 
     monkeypatch.setattr(MARSDecoder, "__init__", init)
+    monkeypatch.setattr(Clients, "reads_history", property(lambda clients: reads_history(clients) or on_device))
     outs = []
     for on_device in (False, True):
         torch.manual_seed(0)
@@ -1185,3 +1226,21 @@ def test_answer_up_to_the_context_of_learned_positions(batch):
     for mars in (dict(mars_threshold=1.0), dict(mars_verify=True), dict(mars_verify=True, mars_threshold=0.0)):
         assert torch.equal(model.generate(**enc, mars=True, **mars, **kw), want), mars
     assert model.generate(**enc, mars=True, mars_threshold=0.0, **kw).shape == want.shape
+
+
+def test_device_constants_are_plain_tensors_shared_between_calls(flat):
+    """The suppressed ids, EOS ids, mask token and position range a call needs are made once per device and shared
+    by later calls: made inside ``torch.inference_mode`` they are still ordinary tensors (inference tensors are
+    restricted outside inference mode, where a later call may run), and no call writes to them."""
+    from hf_mars.generation import plan as plan_module
+
+    model, tok = flat
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    plan_module._CONSTANTS.clear()
+    with torch.inference_mode():
+        first = _greedy(model, enc, mars_threshold=0.5)
+    made = dict(plan_module._CONSTANTS)
+    assert made and not any(t.is_inference() for t in made.values())
+    snapshot = {key: t.clone() for key, t in made.items()}
+    assert torch.equal(_greedy(model, enc, mars_threshold=0.5), first)
+    assert all(torch.equal(plan_module._CONSTANTS[key], t) for key, t in snapshot.items())

@@ -103,3 +103,24 @@ def test_draft_tree_option_forms():
     for bad in ("", "0", "2,-1", "x", [1.5], True):
         with pytest.raises(ValueError, match="mars_draft_tree"):
             parse_draft_tree(bad)
+
+
+@pytest.mark.parametrize("name", ["Qwen2Config", "LlamaConfig", "GPT2Config", "LlavaConfig", "Gemma3Config",
+                                  "T5Config", "EncoderDecoderConfig"])
+def test_text_config_is_what_get_text_config_returns(name):
+    """The decoder reads the model's context length through `text_config`, which skips `get_text_config`'s
+    attribute search on configs without sub-configs: the same config object in every case."""
+    import transformers
+
+    from hf_mars.generation.config import text_config
+
+    cls = getattr(transformers, name)
+    if name == "EncoderDecoderConfig":
+        config = cls.from_encoder_decoder_configs(transformers.BertConfig(), transformers.BertConfig())
+    else:
+        config = cls()
+    assert text_config(config) is config.get_text_config()
+    if config.get_text_config() is not config:
+        return
+    config.text_config = transformers.Qwen2Config()  # an instance attribute of that name is searched for too
+    assert text_config(config) is config.get_text_config() is config.text_config

@@ -55,22 +55,22 @@ def check_supported(model, generation_config, model_kwargs, input_ids):
             "MARS decoding needs a prompt of at least one token per row; got input_ids of shape "
             f"{tuple(input_ids.shape)}. Start the prompt with BOS or the chat template's generation prompt.")
     gc = generation_config
-    problems = [
-        (getattr(model.config, "is_encoder_decoder", False), "MARS decoding supports decoder-only models only."),
-        ((gc.num_beams or 1) > 1, f"MARS decoding cannot be combined with beam search (num_beams={gc.num_beams}); "
-                                  "use num_beams=1 (greedy or sampling)."),
-        (bool(gc.prompt_lookup_num_tokens), _ASSISTED),
-        (gc.use_cache is False, "MARS decoding needs the KV cache; do not pass use_cache=False."),
-        (model_kwargs.get("inputs_embeds") is not None,
-         "MARS decoding needs input_ids (it appends mask tokens); inputs_embeds are not supported."),
-        (bool(gc.output_attentions or gc.output_hidden_states),
-         "output_attentions / output_hidden_states are not supported by MARS decoding (a forward covers several "
-         "tokens and masks); use output_scores / output_logits."),
-        (getattr(gc, "prefill_chunk_size", None) is not None, "prefill_chunk_size is not supported by MARS decoding."),
-    ]
-    for failed, message in problems:
-        if failed:
-            raise ValueError(message)
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError("MARS decoding supports decoder-only models only.")
+    if (gc.num_beams or 1) > 1:
+        raise ValueError(f"MARS decoding cannot be combined with beam search (num_beams={gc.num_beams}); use "
+                         "num_beams=1 (greedy or sampling).")
+    if gc.prompt_lookup_num_tokens:
+        raise ValueError(_ASSISTED)
+    if gc.use_cache is False:
+        raise ValueError("MARS decoding needs the KV cache; do not pass use_cache=False.")
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError("MARS decoding needs input_ids (it appends mask tokens); inputs_embeds are not supported.")
+    if gc.output_attentions or gc.output_hidden_states:
+        raise ValueError("output_attentions / output_hidden_states are not supported by MARS decoding (a forward "
+                         "covers several tokens and masks); use output_scores / output_logits.")
+    if getattr(gc, "prefill_chunk_size", None) is not None:
+        raise ValueError("prefill_chunk_size is not supported by MARS decoding.")
     cache = model_kwargs.get(cache_key(model_kwargs))
     if cache is not None:
         check_rollback(model, cache)
@@ -131,10 +131,12 @@ def mars_generate(model, input_ids, logits_processor=None, stopping_criteria=Non
         with open(stats_path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"emitted_tokens": decoder.rows.emitted, "forward_passes": decoder.rows.forwards,
                                 "threshold": opts.threshold, "verify": opts.verify}) + "\n")
-    if not generation_config.return_dict_in_generate:
-        return sequences
     # the cache is returned only when it has no masked-out columns (it can then be reused as is)
     clean_cache = decoder.cache.cache if decoder.cache.attn is None and decoder.prompt_attn is None else None
+    if not generation_config.return_dict_in_generate or clean_cache is None:
+        decoder.cache.release(model)
+    if not generation_config.return_dict_in_generate:
+        return sequences
     fields = MARSGenerateOutput.__dataclass_fields__
     return MARSGenerateOutput(
         sequences=sequences,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 
 from transformers.utils import logging as _hf_logging
 
@@ -22,6 +23,18 @@ ACCEPTANCE_MODES = ("probability", "entropy", "margin")
 CACHE_MODES = ("sliding", "block", "block_trained")
 DRAFT_TREE_MODES = ("auto", "chain")  # besides a shape "k1,k2,...": see `parse_draft_tree`
 BOOL_FIELDS = ("verify", "use_last_mask", "compile_prefill", "guard_every_step")
+
+
+@functools.lru_cache(maxsize=None)
+def _fields(cls) -> tuple:
+    """(name, default) of each field of the dataclass ``cls``, in order: `dataclasses.fields` rebuilds its tuple on
+    every call, and options are resolved on every generate call."""
+    return tuple((f.name, f.default) for f in dataclasses.fields(cls))
+
+
+@functools.lru_cache(maxsize=None)
+def _argument_names(cls) -> tuple:
+    return tuple("mars_" + name for name, _ in _fields(cls))
 
 
 def _field(default, help_text: str):
@@ -84,7 +97,7 @@ class MARSGenerationConfig:
 
     def __post_init__(self):
         # the fields set to something other than their default: what a `mars_config=` passed to generate imposes
-        self._explicit = frozenset(f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default)
+        self._explicit = frozenset(name for name, default in _fields(type(self)) if getattr(self, name) != default)
         self._from_call = self._explicit
         if self.use_last_mask is None:
             self.use_last_mask = self.verify is True
@@ -116,7 +129,7 @@ class MARSGenerationConfig:
     @classmethod
     def argument_names(cls) -> tuple:
         """The ``generate`` arguments, ``mars_<field>``, in field order."""
-        return tuple("mars_" + f.name for f in dataclasses.fields(cls))
+        return _argument_names(cls)
 
     @classmethod
     def resolve(cls, model, generation_config=None, base: MARSGenerationConfig | None = None, **given):
@@ -127,16 +140,16 @@ class MARSGenerationConfig:
             raise ValueError(f"mars_config must be a MARSGenerationConfig, got {type(base).__name__}.")
         meta = read_mars_metadata(getattr(model, "config", None))
         values, from_call = {}, set()
-        for f in dataclasses.fields(cls):
-            value = given.get("mars_" + f.name)
-            if value is None and base is not None and f.name in base._explicit:
-                value = getattr(base, f.name)
+        for name, _ in _fields(cls):
+            value = given.get("mars_" + name)
+            if value is None and base is not None and name in base._explicit:
+                value = getattr(base, name)
             if value is not None:
-                from_call.add(f.name)
-            if value is None and f.name != "threshold":
-                value = getattr(generation_config, "mars_" + f.name, None)
+                from_call.add(name)
+            if value is None and name != "threshold":
+                value = getattr(generation_config, "mars_" + name, None)
             if value is not None:
-                values[f.name] = value
+                values[name] = value
         if "threshold" not in values and values.get("verify") is not True:
             values["threshold"] = getattr(generation_config, "mars_threshold", None)
         if values.get("block_size") is None:
@@ -231,6 +244,23 @@ def check_block_size(value, name: str = "mars_block_size") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1 (the trained block size, e.g. 4), got {value!r}.")
     return value
+
+
+_TEXT_CONFIG_NAMES = frozenset(("text_encoder", "decoder", "generator", "text_config"))
+
+
+@functools.lru_cache(maxsize=None)
+def _has_text_config_attribute(cls) -> bool:
+    return any(hasattr(cls, name) for name in _TEXT_CONFIG_NAMES)
+
+
+def text_config(config):
+    """``config.get_text_config()`` without its attribute search where the config has none of the sub-configs it
+    looks for (most causal LMs: the config itself); that search is a tenth of MARS's per-call set-up."""
+    if _has_text_config_attribute(type(config)) or not _TEXT_CONFIG_NAMES.isdisjoint(
+            object.__getattribute__(config, "__dict__")):
+        return config.get_text_config()
+    return config
 
 
 def mask_token_id(model, required: bool = True) -> int | None:

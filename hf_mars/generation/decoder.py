@@ -11,13 +11,14 @@ chunk spans the rows).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
 from .cache import RollbackCache
 from .clients import history_free, sort_clients
-from .config import mask_token_id
+from .config import mask_token_id, text_config
 from .exact import decide_exact
 from .forward import (
     GuardedSteps,
@@ -27,7 +28,7 @@ from .forward import (
     pad_prefill,
     takes_logits_to_keep,
 )
-from .plan import plan_step, to_device
+from .plan import device_constant, plan_step, positions, to_device
 from .rules import (
     Decision,
     choose,
@@ -66,8 +67,9 @@ class MARSDecoder:
         self.mask_token_id = mask_token_id(model)
         self.clients = sort_clients(logits_processor, stopping_criteria, self.mask_token_id, self.output_scores)
         self.reads_history = self.clients.reads_history
-        self.suppress_t = to_device(self.clients.suppress, self.device)
-        self.eos_t = to_device(sorted(set(self.clients.eos_ids)), self.device) if self.clients.eos_ids else None
+        self.suppress_t = device_constant(tuple(self.clients.suppress), self.device)
+        self.eos_t = device_constant(tuple(sorted(set(self.clients.eos_ids))), self.device) if self.clients.eos_ids \
+            else None
         max_length = self.clients.max_length
         if max_length is None:
             max_length = generation_config.max_length
@@ -108,8 +110,10 @@ class MARSDecoder:
         """The token buffer (prompt | generated history, kept on the device only when processors or criteria
         read it) and the prompt's positions: left padding makes each row's positions start at its first token."""
         b, P, dev = self.batch, self.prompt_len, self.device
-        self.seq = torch.full((b, self.buf_len), self.pad, dtype=torch.long, device=dev)
-        self.seq[:, :P] = input_ids
+        self.prompt, self.seq = input_ids, None
+        if self.reads_history:
+            self.seq = torch.full((b, self.buf_len), self.pad, dtype=torch.long, device=dev)
+            self.seq[:, :P] = input_ids
         self.prompt_real_host = [P] * b if attn is None else attn.long().sum(-1).tolist()
         if attn is not None and min(self.prompt_real_host) == 0:
             raise ValueError("MARS decoding needs at least one real (unpadded) prompt token in every row; a row of "
@@ -117,20 +121,17 @@ class MARSDecoder:
         if attn is not None and min(self.prompt_real_host) == P:  # no padding: as if no mask was passed
             attn = None
         self.prompt_attn = attn
-        if attn is not None:
+        if attn is not None:  # (unpadded rows all count positions from 0: `_chunk` slices them from `arange`)
             self.prompt_real = to_device(self.prompt_real_host, dev)
             self.prompt_pos = (attn.long().cumsum(-1) - 1).masked_fill(attn == 0, 0)
-        else:
-            self.prompt_real = torch.full((b,), P, dtype=torch.long, device=dev)
-            self.prompt_pos = torch.arange(P, device=dev).unsqueeze(0).expand(b, P)
         # a step's trailing drafts and masks may reach past the model's context (learned absolute positions,
         # GPT-2 / OPT, then index past their table) although the answer fits: only tokens past max_new read
         # those columns, so their positions are clamped to the last one (the emitted tokens are unchanged)
-        limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        limit = getattr(text_config(self.model.config), "max_position_embeddings", None)
         self.max_positions = limit if isinstance(limit, int) else None
         self.last_position = limit - 1 if self.max_positions and P + self.max_new + max_slots > limit else None
-        self.arange = torch.arange(self.buf_len + 2 * (self.shape.chunk + self.shape.candidates) + 8, device=dev)
-        self.mask_col = torch.full((1, 1), self.mask_token_id, dtype=torch.long, device=dev)
+        self.arange = positions(self.buf_len + 2 * (self.shape.chunk + self.shape.candidates) + 8, dev)
+        self.mask_col = device_constant((self.mask_token_id,), dev)[None]
 
     def _prepare_forward(self, generation_config, model_kwargs):
         """The forward of decode steps: torch.compile as generate decides it for plain decoding (a compileable
@@ -197,10 +198,13 @@ class MARSDecoder:
         b, P, dev = self.batch, self.prompt_len, self.device
         if plan.first:  # prefill: [prompt | masks], the same number of masks in every row
             masks = plan.masks[plan.rows[0]]
-            input_ids = torch.cat([self.seq[:, :P], self.mask_col.expand(b, masks)], dim=1)
+            input_ids = self.prompt
+            if masks:
+                input_ids = torch.cat([input_ids, self.mask_col.expand(b, masks)], dim=1)
+            if self.prompt_attn is None:  # no padding: positions 0.. in every row
+                return input_ids, self.arange[:P + masks][None].expand(b, -1), None
             position_ids = torch.cat([self.prompt_pos, self.prompt_real[:, None] + self.arange[:masks][None]], dim=1)
-            col_real = None if self.prompt_attn is None else torch.cat(
-                [self.prompt_attn.bool(), torch.ones(b, masks, dtype=torch.bool, device=dev)], dim=1)
+            col_real = torch.cat([self.prompt_attn.bool(), torch.ones(b, masks, dtype=torch.bool, device=dev)], dim=1)
             return input_ids, position_ids, col_real
         if b == 1:  # no padding ever
             offset = self.prompt_real_host[0] + self.rows.fed[0]
@@ -290,7 +294,7 @@ class MARSDecoder:
             if len(chain) == 0:
                 return slot_logits, choose(slot_logits, self.do_sample)
             b, S, V = slot_logits.shape
-            scores = chain(self.seq[:, :1].repeat_interleave(S, dim=0), slot_logits.reshape(-1, V)).view(b, S, V)
+            scores = chain(self.prompt[:, :1].repeat_interleave(S, dim=0), slot_logits.reshape(-1, V)).view(b, S, V)
             return scores, choose(scores, self.do_sample)
         P, S = self.prompt_len, plan.max_slots
         groups = {}
@@ -540,8 +544,8 @@ class MARSDecoder:
         if self.max_new <= 0:
             rows.unfinished = [False] * self.batch
             if not synced:
-                return self.seq[:, :self.prompt_len]
-        with torch.no_grad():
+                return self.prompt
+        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():  # (generate's is no_grad)
             while True:
                 if synced:
                     finished_ranks = torch.tensor(0.0 if any(rows.unfinished) else 1.0, device=self.device)
@@ -549,15 +553,16 @@ class MARSDecoder:
                     if int(finished_ranks.item()) == torch.distributed.get_world_size():
                         break
                     if not any(rows.unfinished):
-                        self.model_forward(input_ids=self.seq[:, :1], use_cache=False)  # keep the shards moving
+                        self.model_forward(input_ids=self.prompt[:, :1], use_cache=False)  # keep the shards moving
                         continue
                 if not self.step() and not synced:
                     break
         T = max(rows.emitted)
-        if T:  # the emitted tokens into `seq`, pad-filled after each row's end
-            self.seq[:, self.prompt_len:self.prompt_len + T] = to_device(
-                [row + [self.pad] * (T - len(row)) for row in rows.tokens], self.device)
-        return self.seq[:, :self.prompt_len + T]
+        if not T:
+            return self.prompt
+        # the prompt and the emitted tokens, pad-filled after each row's end
+        emitted = to_device([row + [self.pad] * (T - len(row)) for row in rows.tokens], self.device)
+        return torch.cat([self.prompt, emitted.view(self.batch, T)], dim=1)
 
     def assemble(self, which):
         """One (b, V) tensor per emitted position, from the per-step records (0: scores, 1: logits)."""

@@ -26,6 +26,33 @@ def to_device(values, device, dtype=torch.long):
     return t if device.type == "cpu" else t.to(device)
 
 
+_CONSTANTS: dict = {}  # (values, device) -> tensor; (None, device) -> a growing arange
+
+
+def device_constant(values: tuple, device) -> torch.Tensor:
+    """A small long tensor of fixed values on ``device`` (suppressed ids, EOS ids, the mask token), made once per
+    process: a short answer's set-up weighs as much as its loop. Shared between calls, so never written to."""
+    key = (values, device)
+    tensor = _CONSTANTS.get(key)
+    if tensor is None:
+        if len(_CONSTANTS) > 1024:  # (a process that sees endless distinct id sets)
+            _CONSTANTS.clear()
+        with torch.inference_mode(False):  # a plain tensor whatever the first caller's mode
+            tensor = _CONSTANTS[key] = to_device(list(values), device)
+    return tensor
+
+
+def positions(n: int, device) -> torch.Tensor:
+    """``arange(n)`` on ``device``: a view of one growing arange per device, shared between calls (never written to)."""
+    key = (None, device)
+    base = _CONSTANTS.get(key)
+    if base is None or base.shape[0] < n:
+        with torch.inference_mode(False):
+            base = _CONSTANTS[key] = torch.arange(max(n, 1024, 2 * (0 if base is None else base.shape[0])),
+                                                  device=device)
+    return base[:n]
+
+
 @dataclasses.dataclass
 class StepPlan:
     """What one step feeds and may accept, per row (python lists), and the device tensors laid out from it."""
