@@ -131,12 +131,10 @@ def mars_generate(model, input_ids, logits_processor=None, stopping_criteria=Non
         with open(stats_path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"emitted_tokens": decoder.rows.emitted, "forward_passes": decoder.rows.forwards,
                                 "threshold": opts.threshold, "verify": opts.verify}) + "\n")
-    # the cache is returned only when it has no masked-out columns (it can then be reused as is)
-    clean_cache = decoder.cache.cache if decoder.cache.attn is None and decoder.prompt_attn is None else None
-    if not generation_config.return_dict_in_generate or clean_cache is None:
-        decoder.cache.release(model)
     if not generation_config.return_dict_in_generate:
         return sequences
+    # the cache is returned only when it has no masked-out columns (it can then be reused as is)
+    clean_cache = decoder.cache.cache if decoder.cache.attn is None and decoder.prompt_attn is None else None
     fields = MARSGenerateOutput.__dataclass_fields__
     return MARSGenerateOutput(
         sequences=sequences,

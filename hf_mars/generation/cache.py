@@ -40,29 +40,6 @@ def static_cache_length(model, generation_config, needed: int) -> int:
     return size
 
 
-def _spare_static_cache(model, size: int, batch: int):
-    """The static cache of ``size`` positions a previous call made and released (`RollbackCache.release`), reset,
-    when it fits this call; else None. Building a StaticCache costs ~0.14 ms of Python on a small model, and its
-    first forward allocates every layer's tensors: much of a short answer's set-up. The spare is taken off the
-    model, so two calls running at once never share one. It fits when this call's forward will write keys it
-    can hold: the same length and batch, the model's current dtype and device, no autocast (which changes the
-    keys' dtype), one device for the whole model."""
-    spare = model.__dict__.pop("_mars_static_cache", None)
-    if spare is None or len(set((getattr(model, "hf_device_map", None) or {}).values())) > 1:
-        return None
-    layers = spare.layers
-    if any(type(layer) is not StaticLayer or layer.max_cache_len != size for layer in layers):
-        return None
-    param = next(model.parameters())
-    if torch.is_autocast_enabled(param.device.type):
-        return None
-    if any(layer.is_initialized and (layer.batch_size != batch or layer.keys.dtype != param.dtype
-                                     or layer.keys.device != param.device) for layer in layers):
-        return None
-    spare.reset()
-    return spare
-
-
 def check_rollback(model, cache) -> None:
     """A clear error for a cache MARS cannot roll back (quantized, offloaded, linear-attention, state-space)."""
     layers = getattr(cache, "layers", None) or []
@@ -101,22 +78,12 @@ class RollbackCache:
             else:  # an empty one (generate's, sized for this call's plain decoding): see `static_cache_length`
                 size = static_cache_length(model, generation_config, needed)
                 if capacity != size:
-                    cache = _spare_static_cache(model, size, batch) or StaticCache(config=model.config,
-                                                                                   max_cache_len=size)
-                    self.owned = True
+                    cache = StaticCache(config=model.config, max_cache_len=size)
         self.cache = cache
         self.static_len = min(layer.max_cache_len for layer in cache.layers) if self.static else 0
         self.batch = batch
         self.attn = None
         self.length = 0
-
-    owned = False  # a static cache MARS made for this call (`release` keeps it on the model for the next one)
-
-    def release(self, model) -> None:
-        """Once the call is over and its caller does not hold the cache: a static cache MARS made waits on the model
-        for the next call (`_spare_static_cache`)."""
-        if self.owned:
-            model.__dict__["_mars_static_cache"] = self.cache
 
     def attention_mask(self, col_real, device):
         """The 2D mask for a forward over the cache plus a chunk whose real columns are ``col_real``."""
