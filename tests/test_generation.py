@@ -753,6 +753,32 @@ def test_user_static_cache(peaky):
         _greedy(model, enc, max_new_tokens=16, mars_verify=True, **{CACHE_ARG: small})
 
 
+@pytest.mark.skipif(not gen.STATIC_CACHE_SUPPORTED, reason="static cache layers roll back from transformers 5.24 on")
+def test_static_cache_generate_built_is_sized_not_rebuilt(peaky, monkeypatch):
+    """generate builds a static cache per call, sized for plain decoding and not yet allocated (a layer allocates
+    at its first update): MARS gives it its own length rather than building another. One whose tensors exist
+    cannot change length: it is replaced by a cache of that length. Outputs stay plain greedy's."""
+    import hf_mars.generation.cache as cache_module
+
+    model, tok = peaky
+    made, real_static = [], cache_module.StaticCache
+    monkeypatch.setattr(cache_module, "StaticCache", lambda *a, **k: made.append(k) or real_static(*a, **k))
+    enc = tok(PROMPTS[:1], return_tensors="pt")
+    plain = _greedy(model, enc, max_new_tokens=16)
+    out = _greedy(model, enc, max_new_tokens=16, cache_implementation="static", mars_threshold=1.0,
+                  return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain) and not made
+    cache = out.cache if "cache" in type(out).__dataclass_fields__ else out.past_key_values
+    assert {layer.max_cache_len for layer in cache.layers} == {model._mars_static_cache_length}
+    allocated = real_static(config=model.config, max_cache_len=enc.input_ids.shape[1] + 20)
+    cfg = model.config
+    allocated.early_initialization(batch_size=1, num_heads=cfg.num_key_value_heads,
+                                   head_dim=cfg.hidden_size // cfg.num_attention_heads, dtype=model.dtype,
+                                   device=model.device)
+    out = _greedy(model, enc, max_new_tokens=16, mars_threshold=1.0, **{CACHE_ARG: allocated})
+    assert torch.equal(out, plain) and made == [dict(config=model.config, max_cache_len=model._mars_static_cache_length)]
+
+
 def test_cache_that_cannot_roll_back_is_refused(flat):
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
@@ -1000,7 +1026,7 @@ def test_prefill_padding_keeps_positions_in_the_table():
     assert [prefill_width(w, 256) for w in (1, 16, 17, 40, 64, 65, 200)] == [16, 16, 32, 64, 64, 128, 256]
     assert prefill_width(40, 48) == 48 and prefill_width(60, 48) == 60  # never past the cache, never narrower
     ids, pos = torch.tensor([[5, 6, 7]]), torch.tensor([[9, 10, 11]])
-    padded_ids, padded_pos, pad = pad_prefill(ids, pos, 256, torch.tensor([[1]]), max_positions=20)
+    padded_ids, padded_pos, pad = pad_prefill(ids, pos, 256, 1, max_positions=20)
     assert pad == 13 and padded_ids[0, :3].tolist() == [5, 6, 7] and set(padded_ids[0, 3:].tolist()) == {1}
     assert padded_pos[0].tolist() == [9, 10, 11] + list(range(12, 20)) + [19] * 5
 

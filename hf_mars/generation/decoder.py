@@ -121,7 +121,7 @@ class MARSDecoder:
         if attn is not None and min(self.prompt_real_host) == P:  # no padding: as if no mask was passed
             attn = None
         self.prompt_attn = attn
-        if attn is not None:  # (unpadded rows all count positions from 0: `_chunk` slices them from `arange`)
+        if attn is not None:  # (unpadded rows all count positions from 0: `_chunk` slices them from `positions`)
             self.prompt_real = to_device(self.prompt_real_host, dev)
             self.prompt_pos = (attn.long().cumsum(-1) - 1).masked_fill(attn == 0, 0)
         # a step's trailing drafts and masks may reach past the model's context (learned absolute positions,
@@ -130,8 +130,7 @@ class MARSDecoder:
         limit = getattr(text_config(self.model.config), "max_position_embeddings", None)
         self.max_positions = limit if isinstance(limit, int) else None
         self.last_position = limit - 1 if self.max_positions and P + self.max_new + max_slots > limit else None
-        self.arange = positions(self.buf_len + 2 * (self.shape.chunk + self.shape.candidates) + 8, dev)
-        self.mask_col = device_constant((self.mask_token_id,), dev)[None]
+        self.positions = positions(self.buf_len + 2 * (self.shape.chunk + self.shape.candidates) + 8, dev)
 
     def _prepare_forward(self, generation_config, model_kwargs):
         """The forward of decode steps: torch.compile as generate decides it for plain decoding (a compileable
@@ -198,18 +197,16 @@ class MARSDecoder:
         b, P, dev = self.batch, self.prompt_len, self.device
         if plan.first:  # prefill: [prompt | masks], the same number of masks in every row
             masks = plan.masks[plan.rows[0]]
-            input_ids = self.prompt
-            if masks:
-                input_ids = torch.cat([input_ids, self.mask_col.expand(b, masks)], dim=1)
+            input_ids = torch.nn.functional.pad(self.prompt, (0, masks), value=self.mask_token_id)
             if self.prompt_attn is None:  # no padding: positions 0.. in every row
-                return input_ids, self.arange[:P + masks][None].expand(b, -1), None
-            position_ids = torch.cat([self.prompt_pos, self.prompt_real[:, None] + self.arange[:masks][None]], dim=1)
+                return input_ids, self.positions[:, :P + masks].expand(b, -1), None
+            position_ids = torch.cat([self.prompt_pos, self.prompt_real[:, None] + self.positions[:, :masks]], dim=1)
             col_real = torch.cat([self.prompt_attn.bool(), torch.ones(b, masks, dtype=torch.bool, device=dev)], dim=1)
             return input_ids, position_ids, col_real
         if b == 1:  # no padding ever
             offset = self.prompt_real_host[0] + self.rows.fed[0]
             col_real = None if self.cache.attn is None else torch.ones(1, plan.width, dtype=torch.bool, device=dev)
-            return plan.input_ids, self.arange[offset:offset + plan.width][None], col_real
+            return plan.input_ids, self.positions[:, offset:offset + plan.width], col_real
         # pads only matter in rows still decoding; with none there and none in the cache, no mask at all
         col_real = plan.real_t
         if self.cache.attn is None and all(plan.lens[r] == plan.width for r in plan.rows):
@@ -225,10 +222,10 @@ class MARSDecoder:
         if plan.first and self.prefill_forward is not None:
             forward = self.prefill_forward
             capacity = self.cache.static_len - self.cache.cache.get_seq_length()
-            input_ids, position_ids, pad = pad_prefill(input_ids, position_ids, capacity, self.mask_col,
+            input_ids, position_ids, pad = pad_prefill(input_ids, position_ids, capacity, self.mask_token_id,
                                                        self.max_positions)
             width = input_ids.shape[1] - pad  # the kept columns as a tensor: one graph whatever the padding
-            logits_to_keep = self.arange[width - kept:width]
+            logits_to_keep = self.positions[0, width - kept:width]
         if self.supports_logits_to_keep:
             kwargs["logits_to_keep"] = logits_to_keep
         if self.last_position is not None:

@@ -94,7 +94,7 @@ def prefill_width(width: int, capacity: int) -> int:
     return max(width, min(1 << (max(width, MIN_PREFILL_WIDTH) - 1).bit_length(), capacity))
 
 
-def pad_prefill(input_ids, position_ids, capacity: int, mask_col, max_positions: int | None):
+def pad_prefill(input_ids, position_ids, capacity: int, mask_token_id: int, max_positions: int | None):
     """A compiled prefill's inputs with masks appended up to `prefill_width` (their positions continue, within the
     model's table of ``max_positions``): under causal attention nothing before them changes, and a static cache's
     2D mask already spans every cache column (the padding's are masked out as keys). Returns them and how many
@@ -102,7 +102,7 @@ def pad_prefill(input_ids, position_ids, capacity: int, mask_col, max_positions:
     b, width = input_ids.shape
     pad = prefill_width(width, capacity) - width
     if pad:
-        input_ids = torch.cat([input_ids, mask_col.expand(b, pad)], dim=1)
+        input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=mask_token_id)
         extra = position_ids[:, -1:] + torch.arange(1, pad + 1, device=position_ids.device)[None]
         if max_positions:
             extra = extra.clamp(max=max_positions - 1)

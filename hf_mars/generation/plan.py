@@ -43,14 +43,15 @@ def device_constant(values: tuple, device) -> torch.Tensor:
 
 
 def positions(n: int, device) -> torch.Tensor:
-    """``arange(n)`` on ``device``: a view of one growing arange per device, shared between calls (never written to)."""
+    """``arange(n)[None]`` on ``device`` (position ids, one row): a view of one growing arange per device, shared
+    between calls (never written to)."""
     key = (None, device)
     base = _CONSTANTS.get(key)
-    if base is None or base.shape[0] < n:
+    if base is None or base.shape[1] < n:
         with torch.inference_mode(False):
-            base = _CONSTANTS[key] = torch.arange(max(n, 1024, 2 * (0 if base is None else base.shape[0])),
-                                                  device=device)
-    return base[:n]
+            base = _CONSTANTS[key] = torch.arange(max(n, 1024, 2 * (0 if base is None else base.shape[1])),
+                                                  device=device)[None]
+    return base[:, :n]
 
 
 @dataclasses.dataclass
