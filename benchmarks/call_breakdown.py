@@ -4,7 +4,8 @@ Wraps the decoder's pieces with timers (no profiler: its overhead would dwarf th
 transformers' `generate` preparation (until MARS's set-up starts), the decoder's set-up, the prefill forward, the
 decode forwards (and, when compiled, the Inductor graph inside them), and the loop's own work between forwards.
 Also the set-up alone of the default MARS call (dynamic cache) and of plain `generate` (each call made to stop at
-its first forward), and what one eager forward costs by width, cached and as the no-cache reference loop runs it.
+its first forward; with ``--static-compile`` both again with the static cache and compile config), and what one
+eager forward costs by width, cached and as the no-cache reference loop runs it.
 
     OMP_NUM_THREADS=1 python benchmarks/call_breakdown.py --model runs/demo/mars-checkpoint --static-compile \
         --compile-prefill
@@ -174,6 +175,10 @@ def main(argv=None):
     calls = {"plain": lambda ids: model.generate(input_ids=ids, max_new_tokens=64, do_sample=False),
              "mars": lambda ids: model.generate(input_ids=ids, max_new_tokens=64, do_sample=False, mars=True,
                                                 mars_threshold=args.threshold)}
+    if args.static_compile:  # the same two with the static cache and compile config (set-up only: no graph runs)
+        static = {k: v for k, v in extra.items() if not k.startswith("mars_")}
+        calls["plain static"] = lambda ids: model.generate(input_ids=ids, max_new_tokens=64, do_sample=False, **static)
+        calls["mars static"] = lambda ids: mars(ids)
     setup = _setup_only(model, prompts, calls, args.setup_repeats)
     print("to the first forward (median ms): " + ", ".join(f"{k} {v:.2f}" for k, v in setup.items()))
     with torch.no_grad():

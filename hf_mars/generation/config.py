@@ -256,7 +256,7 @@ def _has_text_config_attribute(cls) -> bool:
 
 def text_config(config):
     """``config.get_text_config()`` without its attribute search where the config has none of the sub-configs it
-    looks for (most causal LMs: the config itself); that search is a tenth of MARS's per-call set-up."""
+    looks for (most causal LMs: the config itself): the search costs ~12 us, on every generate call."""
     if _has_text_config_attribute(type(config)) or not _TEXT_CONFIG_NAMES.isdisjoint(
             object.__getattribute__(config, "__dict__")):
         return config.get_text_config()

@@ -68,8 +68,8 @@ class MARSDecoder:
         self.clients = sort_clients(logits_processor, stopping_criteria, self.mask_token_id, self.output_scores)
         self.reads_history = self.clients.reads_history
         self.suppress_t = device_constant(tuple(self.clients.suppress), self.device)
-        self.eos_t = device_constant(tuple(sorted(set(self.clients.eos_ids))), self.device) if self.clients.eos_ids \
-            else None
+        eos_ids = tuple(sorted(set(self.clients.eos_ids)))
+        self.eos_t = device_constant(eos_ids, self.device) if eos_ids else None
         max_length = self.clients.max_length
         if max_length is None:
             max_length = generation_config.max_length

@@ -30,8 +30,8 @@ _CONSTANTS: dict = {}  # (values, device) -> tensor; (None, device) -> a growing
 
 
 def device_constant(values: tuple, device) -> torch.Tensor:
-    """A small long tensor of fixed values on ``device`` (suppressed ids, EOS ids, the mask token), made once per
-    process: a short answer's set-up weighs as much as its loop. Shared between calls, so never written to."""
+    """A small long tensor of fixed values on ``device`` (the suppressed ids, the EOS ids), made once per process: a
+    short answer's set-up weighs as much as its loop. Shared between calls, so never written to."""
     key = (values, device)
     tensor = _CONSTANTS.get(key)
     if tensor is None:
