@@ -1233,3 +1233,25 @@ def test_device_constants_are_plain_tensors_shared_between_calls(flat):
     snapshot = {key: t.clone() for key, t in made.items()}
     assert torch.equal(_greedy(model, enc, mars_threshold=0.5), first)
     assert all(torch.equal(plan_module._CONSTANTS[key], t) for key, t in snapshot.items())
+
+
+def test_mask_token_outside_the_vocabulary_is_refused_before_any_forward(flat):
+    """A mask id the embeddings do not hold is a clear error before the first forward (not an index error inside
+    it, or a device assert on a GPU), whether the config's vocab_size says so (the cheap check) or only the
+    embeddings do (a config that disagrees with its weights)."""
+    model, tok = flat
+    enc = tok(PROMPTS[:1], return_tensors="pt")
+    rows = model.get_output_embeddings().weight.shape[0]
+    saved_meta, saved_vocab = dict(model.config.mars), model.config.vocab_size
+    counter = ForwardCounter(model)
+    try:
+        model.config.mars = dict(saved_meta, mask_token_id=rows)
+        with pytest.raises(ValueError, match="outside the model's vocabulary"):
+            _greedy(model, enc, mars_threshold=0.9)
+        model.config.vocab_size = rows + 8  # the config claims more rows than the embeddings hold
+        with pytest.raises(ValueError, match=f"outside the model's vocabulary \\({rows}\\)"):
+            _greedy(model, enc, mars_threshold=0.9)
+        assert counter.count == 0
+    finally:
+        counter.close()
+        model.config.mars, model.config.vocab_size = saved_meta, saved_vocab

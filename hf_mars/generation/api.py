@@ -25,7 +25,7 @@ from transformers.generation import stopping_criteria as _sc
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import check_rollback
-from .config import MARS_ARGUMENTS, MARSGenerationConfig, mask_token_id
+from .config import MARS_ARGUMENTS, MARSGenerationConfig, mask_token_id, text_config
 from .decoder import LOOP_KWARGS, MARSDecoder, cache_key
 from .tree import TreeDecoder
 
@@ -78,9 +78,15 @@ def check_supported(model, generation_config, model_kwargs, input_ids):
         if key not in LOOP_KWARGS and torch.is_tensor(value):
             raise ValueError(f"MARS decoding does not know how to extend the per-token model input {key!r} over "
                              "several tokens per step; it is not supported.")
-    embeddings = model.get_output_embeddings()
-    vocab = embeddings.weight.shape[0] if embeddings is not None else None
     mask_id = mask_token_id(model)
+    # the embeddings' rows, asked of the model (~20-60 us) until they were seen to equal the config's vocab_size,
+    # which transformers keeps in step with them (resize_token_embeddings): then the config's, while it says so
+    vocab = getattr(text_config(model.config), "vocab_size", None)
+    if vocab is None or model.__dict__.get("_mars_vocab_size") != vocab:
+        embeddings = model.get_output_embeddings()
+        rows = embeddings.weight.shape[0] if embeddings is not None else None
+        model.__dict__["_mars_vocab_size"] = rows if rows == vocab else None
+        vocab = rows
     if vocab is not None and mask_id >= vocab:
         raise ValueError(f"mask_token_id {mask_id} is outside the model's vocabulary ({vocab}); resize the "
                          "embeddings (hf_mars.add_mask_token does it).")
