@@ -175,10 +175,12 @@ def main(argv=None):
     calls = {"plain": lambda ids: model.generate(input_ids=ids, max_new_tokens=64, do_sample=False),
              "mars": lambda ids: model.generate(input_ids=ids, max_new_tokens=64, do_sample=False, mars=True,
                                                 mars_threshold=args.threshold)}
-    if args.static_compile:  # the same two with the static cache and compile config (set-up only: no graph runs)
+    if args.static_compile:  # the same two with the static cache and compile config; the prefill eager (a compiled
+        # one would trace the stopped forward: Dynamo's work, not set-up), so no graph runs
         static = {k: v for k, v in extra.items() if not k.startswith("mars_")}
         calls["plain static"] = lambda ids: model.generate(input_ids=ids, max_new_tokens=64, do_sample=False, **static)
-        calls["mars static"] = lambda ids: mars(ids)
+        calls["mars static"] = lambda ids: model.generate(input_ids=ids, max_new_tokens=64, do_sample=False, mars=True,
+                                                          mars_threshold=args.threshold, **static)
     setup = _setup_only(model, prompts, calls, args.setup_repeats)
     print("to the first forward (median ms): " + ", ".join(f"{k} {v:.2f}" for k, v in setup.items()))
     with torch.no_grad():
