@@ -685,7 +685,7 @@ def test_library_reference_loop_matches_fast_loop_and_test_reference(peaky, tau,
 @pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["batch1", "batch4"])
 def test_static_cache_tau1_and_verify_equal_greedy(peaky, prompts):
     """cache_implementation="static": dropping the masks moves the write position back; the cache generate built
-    for plain decoding is replaced by one a step larger (rows accept their own counts: see the next test)."""
+    for plain decoding is given a step more room (rows accept their own counts: see the next test)."""
     model, tok = peaky
     enc = tok(prompts, return_tensors="pt", padding=True)
     plain = _greedy(model, enc, max_new_tokens=24)
