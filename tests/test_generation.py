@@ -1218,8 +1218,8 @@ def test_answer_up_to_the_context_of_learned_positions(batch):
 
 
 def test_device_constants_are_plain_tensors_shared_between_calls(flat):
-    """The suppressed ids, EOS ids, mask token and position range a call needs are made once per device and shared
-    by later calls: made inside ``torch.inference_mode`` they are still ordinary tensors (inference tensors are
+    """The suppressed ids, EOS ids and position range a call needs are made once per device and shared by later
+    calls: made inside ``torch.inference_mode`` they are still ordinary tensors (inference tensors are
     restricted outside inference mode, where a later call may run), and no call writes to them."""
     from hf_mars.generation import plan as plan_module
 
