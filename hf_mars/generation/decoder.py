@@ -11,7 +11,6 @@ chunk spans the rows).
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -542,7 +541,7 @@ class MARSDecoder:
             rows.unfinished = [False] * self.batch
             if not synced:
                 return self.prompt
-        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():  # (generate's is no_grad)
+        with torch.no_grad():
             while True:
                 if synced:
                     finished_ranks = torch.tensor(0.0 if any(rows.unfinished) else 1.0, device=self.device)
