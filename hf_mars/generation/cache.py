@@ -42,9 +42,9 @@ def static_cache_length(model, generation_config, needed: int) -> int:
 
 def check_rollback(model, cache) -> None:
     """A clear error for a cache MARS cannot roll back (quantized, offloaded, linear-attention, state-space)."""
-    layers = getattr(cache, "layers", None) or []
-    odd = sorted({type(layer).__name__ for layer in layers if type(layer) not in ROLLBACK_LAYERS})
+    odd = [layer for layer in getattr(cache, "layers", None) or [] if type(layer) not in ROLLBACK_LAYERS]
     if odd or getattr(cache, "is_croppable", True) is False:  # (is_croppable: transformers >= 5.17)
+        odd = sorted({type(layer).__name__ for layer in odd})
         model_type = getattr(model.config, "model_type", type(model).__name__)
         raise ValueError(
             f"MARS decoding rolls the KV cache back after every step; {type(cache).__name__} of {model_type!r} "

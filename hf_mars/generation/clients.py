@@ -68,6 +68,16 @@ class Clients:
         return bool(self.exact or self.criteria or self.lagging is not None or not history_free(self.processors))
 
 
+def _ids(value) -> list:
+    """Token ids as a flat list of ints, from a tensor of any shape, an int or a (nested) list. A tensor is read
+    with one op (as_tensor + flatten cost two more, on every call)."""
+    if torch.is_tensor(value):
+        value = value.tolist()
+    if isinstance(value, int):
+        return [value]
+    return [i for item in value for i in _ids(item)]
+
+
 def sort_clients(logits_processor, stopping_criteria, mask_token_id: int, output_scores: bool) -> Clients:
     """Sort generate's prepared processors and criteria (reused, never rebuilt).
 
@@ -80,7 +90,7 @@ def sort_clients(logits_processor, stopping_criteria, mask_token_id: int, output
     suppressed, kept = {mask_token_id}, []
     for proc in logits_processor if logits_processor is not None else []:
         if type(proc) is _lp.SuppressTokensLogitsProcessor:
-            suppressed.update(torch.as_tensor(proc.suppress_tokens).flatten().tolist())
+            suppressed.update(_ids(proc.suppress_tokens))
         else:
             kept.append(proc)
     pure = [is_stateless(p, STATELESS_PROCESSORS) for p in kept]
@@ -88,7 +98,7 @@ def sort_clients(logits_processor, stopping_criteria, mask_token_id: int, output
     eos_ids, max_length, other = [], None, []
     for crit in stopping_criteria if stopping_criteria is not None else []:
         if isinstance(crit, _sc.EosTokenCriteria):
-            eos_ids.extend(torch.as_tensor(crit.eos_token_id).flatten().tolist())
+            eos_ids.extend(_ids(crit.eos_token_id))
         elif isinstance(crit, _sc.MaxLengthCriteria):
             max_length = crit.max_length if max_length is None else min(max_length, crit.max_length)
         else:

@@ -154,13 +154,15 @@ class MARSGenerationConfig:
             values["threshold"] = getattr(generation_config, "mars_threshold", None)
         if values.get("block_size") is None:
             values["block_size"] = meta.get("block_size") or DEFAULT_BLOCK_SIZE
-        config = cls(**values)
-        config._from_call = frozenset(from_call)  # what this call asked for (not a saved default)
-        if "draft_tree" in from_call and config.draft_tree != "auto" and not config.verify:
-            raise ValueError(f"mars_draft_tree={config.draft_tree!r} shapes verify mode's drafts; pass "
-                             "mars_verify=True with it (threshold mode accepts mask predictions without drafts).")
+        config = _checked(cls, tuple(values.items()), frozenset(from_call))
         config.warn_about(meta)
         return config
+
+    def __setattr__(self, name, value):
+        if self.__dict__.get("_resolved"):
+            raise AttributeError(f"a resolved MARSGenerationConfig is shared between calls; {name!r} cannot be set "
+                                 "(pass mars_config=MARSGenerationConfig(...) or mars_* arguments instead).")
+        super().__setattr__(name, value)
 
     @classmethod
     def add_arguments(cls, parser, names) -> None:
@@ -197,6 +199,32 @@ class MARSGenerationConfig:
                 f"({trained}): masks beyond the trained distance predict poorly. Use mars_block_size <= {trained}.")
 
 
+def _build(cls, items: tuple, from_call: frozenset):
+    config = cls(**dict(items))
+    config._from_call = from_call  # what this call asked for (not a saved default)
+    if "draft_tree" in from_call and config.draft_tree != "auto" and not config.verify:
+        raise ValueError(f"mars_draft_tree={config.draft_tree!r} shapes verify mode's drafts; pass "
+                         "mars_verify=True with it (threshold mode accepts mask predictions without drafts).")
+    return config
+
+
+@functools.lru_cache(maxsize=256)
+def _build_shared(cls, items: tuple, from_call: frozenset):
+    config = _build(cls, items, from_call)
+    config._resolved = True  # read-only from here: every call with these options shares it
+    return config
+
+
+def _checked(cls, items: tuple, from_call: frozenset):
+    """The config of these field values, checked: made once per distinct set of values (options are resolved on
+    every generate call, and building and checking a config costs as much as a short answer's step)."""
+    try:
+        hash(items)
+    except TypeError:  # (a draft-tree shape given as a list): this call's own
+        return _build(cls, items, from_call)
+    return _build_shared(cls, items, from_call)
+
+
 def parse_draft_tree(value, max_depth: int | None = None):
     """A draft-tree option in its one form: 'auto', 'chain' or a shape string 'k1,k2,...' (from a string, a list
     or a tuple of ints >= 1, at most ``max_depth`` deep: mask d predicts depth d, and there are B - 1 masks, B with
@@ -224,7 +252,10 @@ MARS_ARGUMENTS = ("mars", "mars_config") + MARSGenerationConfig.argument_names()
 
 def read_mars_metadata(config) -> dict:
     """``config.mars`` (``{}`` when the model was never prepared for MARS); a non-dict value is an error."""
-    meta = getattr(config, "mars", None)
+    try:  # (the instance's own attribute: transformers' configs resolve every attribute read in python)
+        meta = object.__getattribute__(config, "__dict__").get("mars")
+    except AttributeError:
+        meta = getattr(config, "mars", None)
     if meta is None:
         return {}
     if not isinstance(meta, dict):

@@ -143,11 +143,11 @@ class MARSDecoder:
         self.model_forward = self.decode_forward = model.__call__
         self.prefill_forward = self.read_forward = None
         compile_config = getattr(generation_config, "compile_config", None)
-        wants = not getattr(generation_config, "disable_compile", False) and (
-            self.device.type in ("cuda", "xpu", "neuron", "tpu")
-            or bool(compile_config is not None and getattr(compile_config, "_compile_all_devices", None)))
-        if wants and self.cache.static and getattr(self.cache.cache, "is_compileable", False) and (
-                getattr(getattr(model, "hf_quantizer", None), "is_compileable", True)):
+        if self.cache.static and not getattr(generation_config, "disable_compile", False) and (
+                self.device.type in ("cuda", "xpu", "neuron", "tpu")
+                or bool(compile_config is not None and getattr(compile_config, "_compile_all_devices", None))) and (
+                getattr(self.cache.cache, "is_compileable", False)
+                and getattr(getattr(model, "hf_quantizer", None), "is_compileable", True)):
             compile_config = compile_config or model._default_compile_config()
             self.decode_forward = GuardedSteps(compiled_decode_call(model, compile_config), opts.guard_every_step)
             if opts.compile_prefill:
@@ -196,9 +196,11 @@ class MARSDecoder:
         b, P, dev = self.batch, self.prompt_len, self.device
         if plan.first:  # prefill: [prompt | masks], the same number of masks in every row
             masks = plan.masks[plan.rows[0]]
-            input_ids = torch.nn.functional.pad(self.prompt, (0, masks), value=self.mask_token_id)
+            mask_block = device_constant(((self.mask_token_id,) * masks,) * b, dev)
+            input_ids = torch.cat((self.prompt, mask_block), 1)
             if self.prompt_attn is None:  # no padding: positions 0.. in every row
-                return input_ids, self.positions[:, :P + masks].expand(b, -1), None
+                position_ids = self.positions[:, :P + masks]
+                return input_ids, position_ids if b == 1 else position_ids.expand(b, -1), None
             position_ids = torch.cat([self.prompt_pos, self.prompt_real[:, None] + self.positions[:, :masks]], dim=1)
             col_real = torch.cat([self.prompt_attn.bool(), torch.ones(b, masks, dtype=torch.bool, device=dev)], dim=1)
             return input_ids, position_ids, col_real
@@ -541,18 +543,20 @@ class MARSDecoder:
             rows.unfinished = [False] * self.batch
             if not synced:
                 return self.prompt
-        with torch.no_grad():
-            while True:
-                if synced:
-                    finished_ranks = torch.tensor(0.0 if any(rows.unfinished) else 1.0, device=self.device)
-                    torch.distributed.all_reduce(finished_ranks)
-                    if int(finished_ranks.item()) == torch.distributed.get_world_size():
-                        break
-                    if not any(rows.unfinished):
-                        self.model_forward(input_ids=self.prompt[:, :1], use_cache=False)  # keep the shards moving
-                        continue
-                if not self.step() and not synced:
+        if torch.is_grad_enabled():  # (generate already runs under no_grad: entering it again costs ~10 us a call)
+            with torch.no_grad():
+                return self.run(synced)
+        while True:
+            if synced:
+                finished_ranks = torch.tensor(0.0 if any(rows.unfinished) else 1.0, device=self.device)
+                torch.distributed.all_reduce(finished_ranks)
+                if int(finished_ranks.item()) == torch.distributed.get_world_size():
                     break
+                if not any(rows.unfinished):
+                    self.model_forward(input_ids=self.prompt[:, :1], use_cache=False)  # keep the shards moving
+                    continue
+            if not self.step() and not synced:
+                break
         T = max(rows.emitted)
         if not T:
             return self.prompt

@@ -17,7 +17,7 @@ import torch
 def to_device(values, device, dtype=torch.long):
     """Host values as a device tensor without a synchronising copy (pinned memory, non-blocking on GPU). A flat
     list of ints goes through an int64 array (torch.tensor reads a list element by element: 3x slower)."""
-    if dtype is torch.long and values and not isinstance(values[0], list):
+    if dtype is torch.long and values and not isinstance(values[0], (list, tuple)):
         t = torch.frombuffer(array.array("q", values), dtype=torch.long)
     else:
         t = torch.tensor(values, dtype=dtype)
@@ -43,15 +43,15 @@ def device_constant(values: tuple, device) -> torch.Tensor:
 
 
 def positions(n: int, device) -> torch.Tensor:
-    """``arange(n)[None]`` on ``device`` (position ids, one row): a view of one growing arange per device, shared
-    between calls (never written to)."""
+    """``arange(m)[None]`` on ``device`` for some ``m >= n`` (position ids, one row; callers slice what they need):
+    one growing arange per device, shared between calls (never written to)."""
     key = (None, device)
     base = _CONSTANTS.get(key)
     if base is None or base.shape[1] < n:
         with torch.inference_mode(False):
             base = _CONSTANTS[key] = torch.arange(max(n, 1024, 2 * (0 if base is None else base.shape[1])),
                                                   device=device)[None]
-    return base[:, :n]
+    return base
 
 
 @dataclasses.dataclass
