@@ -66,6 +66,31 @@ def test_resolution_order_argument_config_object_generation_config_checkpoint(pe
         MARSGenerationConfig.resolve(model, gc, base={"threshold": 0.5})
 
 
+def test_resolved_options_are_shared_per_distinct_values_and_read_only(peaky):
+    """Options are resolved on every call; the config of a given set of values is built and checked once and
+    shared, so it must refuse to be changed (a change would leak into every later call with those options)."""
+    model, _ = peaky
+    gc = GenerationConfig(mars_acceptance="margin")
+    first = MARSGenerationConfig.resolve(model, gc, mars_threshold=0.8)
+    again = MARSGenerationConfig.resolve(model, gc, mars_threshold=0.8)
+    assert again is first and (first.threshold, first.acceptance) == (0.8, "margin")
+    assert MARSGenerationConfig.resolve(model, gc, mars_threshold=0.7) is not first
+    saved = MARSGenerationConfig.resolve(model, GenerationConfig(mars_threshold=0.8, mars_acceptance="margin"))
+    assert saved is not first and saved._from_call == frozenset()  # what the call asked for is part of the key
+    with pytest.raises(AttributeError, match="shared between calls"):
+        first.threshold = 0.1
+    assert MARSGenerationConfig.resolve(model, gc, mars_threshold=0.8).threshold == 0.8
+    own = MARSGenerationConfig(threshold=0.5)  # built directly: the caller's own, still writable
+    own.threshold = 0.6
+    tree = MARSGenerationConfig.resolve(model, gc, mars_verify=True, mars_draft_tree=[2, 1])  # unhashable: built anew
+    assert tree.draft_tree == "2,1" and tree is not MARSGenerationConfig.resolve(
+        model, gc, mars_verify=True, mars_draft_tree=[2, 1])
+    with pytest.raises(ValueError, match="mars_threshold"):  # a bad value is still refused on every call
+        MARSGenerationConfig.resolve(model, gc, mars_threshold=2.0)
+    with pytest.raises(ValueError, match="mars_threshold"):
+        MARSGenerationConfig.resolve(model, gc, mars_threshold=2.0)
+
+
 def test_generate_takes_a_config_object(peaky):
     model, tok = peaky
     enc = tok(["hello world", "a"], return_tensors="pt", padding=True)

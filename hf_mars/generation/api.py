@@ -48,8 +48,8 @@ _ASSISTED = ("MARS decoding cannot be combined with assisted generation (assista
              "MARS already drafts its own tokens. For lossless self-speculative decoding use mars_verify=True.")
 
 
-def check_supported(model, generation_config, model_kwargs, input_ids):
-    """Clear errors for what a MARS loop cannot do, before any forward."""
+def check_supported(model, generation_config, model_kwargs, input_ids) -> int:
+    """Clear errors for what a MARS loop cannot do, before any forward. Returns the (checked) mask token id."""
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError(
             "MARS decoding needs a prompt of at least one token per row; got input_ids of shape "
@@ -90,13 +90,16 @@ def check_supported(model, generation_config, model_kwargs, input_ids):
     if vocab is not None and mask_id >= vocab:
         raise ValueError(f"mask_token_id {mask_id} is outside the model's vocabulary ({vocab}); resize the "
                          "embeddings (hf_mars.add_mask_token does it).")
+    return mask_id
+
+
+_DISTRIBUTED = torch.distributed.is_available()
 
 
 def _sharded_across_ranks(model) -> bool:
     """True when generation must step in lockstep across ranks (DeepSpeed ZeRO-3 or FSDP, world size > 1):
     what transformers' `generate` infers for `synced_gpus`, which it does not pass to a callable custom_generate."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()
-            and torch.distributed.get_world_size() > 1):
+    if not (_DISTRIBUTED and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
         return False
     from transformers.integrations import is_deepspeed_zero3_enabled
     from transformers.integrations.fsdp import is_fsdp_managed_module
@@ -152,18 +155,21 @@ def mars_generate(model, input_ids, logits_processor=None, stopping_criteria=Non
     )
 
 
+_OPTION_ARGUMENTS = frozenset(MARSGenerationConfig.argument_names())
+
+
 def start_decoder(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, mars_config,
                   model_kwargs) -> MARSDecoder:
     """Check the call, resolve its options (the ``mars_*`` arguments are popped from ``model_kwargs``) and set up
     its decoder; the streamer gets the prompt first, as generate hands it."""
-    given = {k: model_kwargs.pop(k) for k in MARSGenerationConfig.argument_names() if k in model_kwargs}
-    check_supported(model, generation_config, model_kwargs, input_ids)
+    given = {k: model_kwargs.pop(k) for k in _OPTION_ARGUMENTS.intersection(model_kwargs)}
+    mask_id = check_supported(model, generation_config, model_kwargs, input_ids)
     opts = MARSGenerationConfig.resolve(model, generation_config, base=mars_config, **given)
     if streamer is not None:
         streamer.put(input_ids.cpu())
     decoder = TreeDecoder if opts.verify else MARSDecoder  # (a tree decoder falls back to the chain by itself)
     return decoder(model, input_ids, logits_processor, stopping_criteria, generation_config, opts, streamer,
-                   model_kwargs)
+                   model_kwargs, mask_id)
 
 
 def _with_option_parameters(func):

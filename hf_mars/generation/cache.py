@@ -60,14 +60,15 @@ class RollbackCache:
         if cache is None:  # generate always prepares one; be safe if it did not
             cache = DynamicCache(config=model.config)
         layers = getattr(cache, "layers", [])
+        kinds = {type(layer) for layer in layers}
         # sliding-window layers count cache columns, so a masked-out column inside the window would shorten it:
         # they keep their past until each crop (rollback), and batch rows move in lockstep (no ragged columns)
-        self.sliding = any(type(layer) is DynamicSlidingWindowLayer for layer in layers)
+        self.sliding = DynamicSlidingWindowLayer in kinds
         if self.sliding:
             cache.activate_past_recording()
         # a static cache holds a fixed number of columns: it must fit the prompt, the new tokens and one step's
         # masks / drafts beyond them (ragged rows' masked columns are compacted away in place to keep that room)
-        self.static = any(type(layer) is StaticLayer for layer in layers)
+        self.static = StaticLayer in kinds
         if self.static:
             capacity = min(layer.max_cache_len for layer in layers)
             if cache.get_seq_length() > 0:  # a cache that holds a prefix is used as it is

@@ -71,11 +71,11 @@ class Clients:
 def _ids(value) -> list:
     """Token ids as a flat list of ints, from a tensor of any shape, an int or a (nested) list. A tensor is read
     with one op (as_tensor + flatten cost two more, on every call)."""
-    if torch.is_tensor(value):
+    if isinstance(value, torch.Tensor):
         value = value.tolist()
     if isinstance(value, int):
         return [value]
-    return [i for item in value for i in _ids(item)]
+    return [i for item in value for i in ([item] if isinstance(item, int) else _ids(item))]
 
 
 def sort_clients(logits_processor, stopping_criteria, mask_token_id: int, output_scores: bool) -> Clients:

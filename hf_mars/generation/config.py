@@ -139,19 +139,20 @@ class MARSGenerationConfig:
         if base is not None and not isinstance(base, cls):
             raise ValueError(f"mars_config must be a MARSGenerationConfig, got {type(base).__name__}.")
         meta = read_mars_metadata(getattr(model, "config", None))
+        saved = getattr(generation_config, "__dict__", {})  # (its mars_* values are extra attributes: no lookups)
         values, from_call = {}, set()
-        for name, _ in _fields(cls):
-            value = given.get("mars_" + name)
+        for (name, _), argument in zip(_fields(cls), _argument_names(cls)):
+            value = given.get(argument)
             if value is None and base is not None and name in base._explicit:
                 value = getattr(base, name)
             if value is not None:
                 from_call.add(name)
             if value is None and name != "threshold":
-                value = getattr(generation_config, "mars_" + name, None)
+                value = saved.get(argument)
             if value is not None:
                 values[name] = value
         if "threshold" not in values and values.get("verify") is not True:
-            values["threshold"] = getattr(generation_config, "mars_threshold", None)
+            values["threshold"] = saved.get("mars_threshold")
         if values.get("block_size") is None:
             values["block_size"] = meta.get("block_size") or DEFAULT_BLOCK_SIZE
         config = _checked(cls, tuple(values.items()), frozenset(from_call))

@@ -55,7 +55,7 @@ class MARSDecoder:
     """The rows of one MARS generation (threshold, block-cache or verify mode) and the step that advances them."""
 
     def __init__(self, model, input_ids, logits_processor, stopping_criteria, generation_config, opts, streamer,
-                 model_kwargs):
+                 model_kwargs, mask_id=None):
         self.model, self.opts, self.streamer = model, opts, streamer
         self.device = input_ids.device
         b, P = input_ids.shape
@@ -63,7 +63,7 @@ class MARSDecoder:
         self.do_sample = bool(generation_config.do_sample)
         self.output_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
         self.output_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
-        self.mask_token_id = mask_token_id(model)
+        self.mask_token_id = mask_token_id(model) if mask_id is None else mask_id
         self.clients = sort_clients(logits_processor, stopping_criteria, self.mask_token_id, self.output_scores)
         self.reads_history = self.clients.reads_history
         self.suppress_t = device_constant(tuple(self.clients.suppress), self.device)

@@ -84,51 +84,53 @@ class StepPlan:
 
 
 def plan_step(dec) -> StepPlan:
-    """Per-row counts for this step (python lists; cheap for any realistic batch)."""
+    """Per-row counts for this step (python lists; cheap for any realistic batch; locals, not attributes: it runs
+    before every forward)."""
     b, opts, rows, shape = dec.batch, dec.opts, dec.rows, dec.shape
+    unfinished, emitted, limit, in_chunk = rows.unfinished, rows.emitted, rows.limit, rows.in_chunk
+    block, verify, candidates, fixed_width = shape.block, opts.verify, shape.candidates, shape.fixed_width
+    first = rows.fed[0] == -dec.prompt_len
     # a row at tau >= 1 reads candidate 0 only; masks are fed unless every row is such a row (the masks must
     # occupy the same last columns in every row, so that one crop drops them all)
     taus = dec.row_tau
     one_token = [shape.one_token] * b if taus is None else [shape.one_token or t >= 1.0 for t in taus]
-    no_masks = all(one_token[r] for r in range(b) if rows.unfinished[r]) and not shape.block and not opts.verify
-    plan = StepPlan(first=rows.fed[0] == -dec.prompt_len, active=[False] * b, uncached=[0] * b, drafts=[0] * b,
-                    masks=[0] * b, slots=[0] * b)
+    no_masks = not block and not verify and all(one_token[r] for r in range(b) if unfinished[r])
+    active, uncached, drafts, masks, slots = [False] * b, [0] * b, [0] * b, [0] * b, [0] * b
     for r in range(b):
-        if not rows.unfinished[r] or (shape.block and not rows.chunk_start and rows.in_chunk[r] >= shape.chunk):
+        if not unfinished[r] or (block and not rows.chunk_start and in_chunk[r] >= shape.chunk):
             continue  # finished, or waiting for the slowest row to fill the block cache's chunk
-        plan.active[r] = True
-        remaining = rows.limit[r] - rows.emitted[r]
-        max_accept = opts.max_accept or rows.limit[r]
-        plan.uncached[r] = rows.emitted[r] - rows.fed[r]
+        active[r] = True
+        remaining = limit[r] - emitted[r]
+        max_accept = opts.max_accept or limit[r]
+        uncached[r] = emitted[r] - rows.fed[r]
         if opts.cache == "block":
-            plan.masks[r] = shape.chunk - rows.in_chunk[r]
+            masks[r] = shape.chunk - in_chunk[r]
         else:
             # candidates read masks 1..K-1 only, and under causal attention a later mask changes nothing before
             # it: feed K-1 masks (B-1 by default; none in one-token mode, an exact AR step)
-            plan.masks[r] = 0 if no_masks else shape.candidates - 1
-        if opts.verify:
-            plan.drafts[r] = len(rows.drafts[r])
+            masks[r] = 0 if no_masks else candidates - 1
+        if verify:
+            drafts[r] = len(rows.drafts[r])
             # new drafts + the AR token must fit the length limit and the per-step cap
-            new_drafts = 0 if one_token[r] else min(shape.max_drafts, max(0, remaining - plan.drafts[r] - 2),
+            new_drafts = 0 if one_token[r] else min(shape.max_drafts, max(0, remaining - drafts[r] - 2),
                                                  max_accept - 1)
-            plan.slots[r] = plan.drafts[r] + 1 + new_drafts
+            slots[r] = drafts[r] + 1 + new_drafts
         else:
-            slots = 1 if one_token[r] else 1 + min(shape.candidates - 1, plan.masks[r])
-            if shape.block:
-                slots = min(slots, shape.chunk - rows.in_chunk[r])
-            plan.slots[r] = min(slots, remaining, max_accept)
-    plan.rows = [r for r in range(b) if plan.active[r]]
-    if shape.fixed_width and not plan.first:  # compiled steps: pad with masks to the one width
-        for r in plan.rows:
-            plan.masks[r] = shape.fixed_width - plan.uncached[r] - plan.drafts[r]
-    plan.lens = [plan.uncached[r] + plan.drafts[r] + plan.masks[r] for r in range(b)]
-    plan.max_slots = max(plan.slots)
-    plan.logits_kept = max(plan.masks[r] + plan.drafts[r] + 1 for r in plan.rows)
-    if shape.fixed_width and not plan.first:
-        plan.logits_kept = shape.fixed_width
-    plan.uniform = len({(plan.masks[r], plan.drafts[r]) for r in plan.rows}) == 1
-    plan.width = max(plan.lens)
-    plan.read_slots = dec.max_slots if dec.read_forward is not None and not plan.first else 0
+            n = 1 if one_token[r] else 1 + min(candidates - 1, masks[r])
+            if block:
+                n = min(n, shape.chunk - in_chunk[r])
+            slots[r] = min(n, remaining, max_accept)
+    active_rows = [r for r in range(b) if active[r]]
+    if fixed_width and not first:  # compiled steps: pad with masks to the one width
+        for r in active_rows:
+            masks[r] = fixed_width - uncached[r] - drafts[r]
+    lens = [uncached[r] + drafts[r] + masks[r] for r in range(b)]
+    plan = StepPlan(
+        first=first, active=active, uncached=uncached, drafts=drafts, masks=masks, slots=slots, rows=active_rows,
+        lens=lens, max_slots=max(slots), width=max(lens),
+        logits_kept=fixed_width if fixed_width and not first else max(masks[r] + drafts[r] + 1 for r in active_rows),
+        uniform=len({(masks[r], drafts[r]) for r in active_rows}) == 1,
+        read_slots=dec.max_slots if dec.read_forward is not None and not first else 0)
     lay_out(dec, plan)
     return plan
 
