@@ -4,8 +4,9 @@ Wraps the decoder's pieces with timers (no profiler: its overhead would dwarf th
 transformers' `generate` preparation (until MARS's set-up starts), the decoder's set-up, the prefill forward, the
 decode forwards (and, when compiled, the Inductor graph inside them), and the loop's own work between forwards.
 Also the set-up alone of the default MARS call (dynamic cache) and of plain `generate` (each call made to stop at
-its first forward; with ``--static-compile`` both again with the static cache and compile config), and what one
-eager forward costs by width, cached and as the no-cache reference loop runs it.
+its first forward; with ``--static-compile`` both again with the static cache and compile config; and MARS minus
+plain as the median of adjacent calls' differences, which the machine's drift between calls does not move), and
+what one eager forward costs by width, cached and as the no-cache reference loop runs it.
 
     OMP_NUM_THREADS=1 python benchmarks/call_breakdown.py --model runs/demo/mars-checkpoint --static-compile \
         --compile-prefill
@@ -43,7 +44,13 @@ def _setup_only(model, prompts, calls, repeats):
                     times[name].append(time.perf_counter() - t0)
     finally:
         model.forward = forward
-    return {name: 1000 * statistics.median(t[len(prompts):]) for name, t in times.items()}  # first pass: warm-up
+    medians = {name: 1000 * statistics.median(t[len(prompts):]) for name, t in times.items()}  # first: warm-up
+    # the difference of adjacent calls, paired: the machine's drift between calls cancels out
+    for mars, plain in (("mars", "plain"), ("mars static", "plain static")):
+        if mars in times and plain in times:
+            medians[f"{mars} - {plain} (paired)"] = 1000 * statistics.median(
+                [a - b for a, b in zip(times[mars][len(prompts):], times[plain][len(prompts):])])
+    return medians
 
 
 def _forward_costs(model, prompt_len=50, repeats=350):
@@ -182,7 +189,8 @@ def main(argv=None):
         calls["mars static"] = lambda ids: model.generate(input_ids=ids, max_new_tokens=64, do_sample=False, mars=True,
                                                           mars_threshold=args.threshold, **static)
     setup = _setup_only(model, prompts, calls, args.setup_repeats)
-    print("to the first forward (median ms): " + ", ".join(f"{k} {v:.2f}" for k, v in setup.items()))
+    print("to the first forward (median ms): " + ", ".join(f"{k} {v:+.3f}" if "paired" in k else f"{k} {v:.2f}"
+                                                          for k, v in setup.items()))
     with torch.no_grad():
         costs = _forward_costs(model)
     print("one eager forward (median ms): " + ", ".join(f"{k} {v:.2f}" for k, v in costs.items()))
