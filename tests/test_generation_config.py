@@ -145,6 +145,15 @@ def test_text_config_is_what_get_text_config_returns(name):
     else:
         config = cls()
     assert text_config(config) is config.get_text_config()
+    # the attributes read on every call, read from the config's own dict where they are there: the same values as
+    # getattr, aliases of attribute_map (GPT-2's max_position_embeddings is n_positions) included
+    from hf_mars.generation.config import config_value
+
+    config.mars = {"mask_token_id": 3}
+    for c in (config, text_config(config)):
+        for attribute in ("is_encoder_decoder", "vocab_size", "max_position_embeddings", "hidden_size", "mars",
+                          "not_an_attribute"):
+            assert config_value(c, attribute, "absent") == getattr(c, attribute, "absent"), (name, attribute)
     if config.get_text_config() is not config:
         return
     config.text_config = transformers.Qwen2Config()  # an instance attribute of that name is searched for too

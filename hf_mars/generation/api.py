@@ -25,7 +25,7 @@ from transformers.generation import stopping_criteria as _sc
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import check_rollback
-from .config import MARS_ARGUMENTS, MARSGenerationConfig, mask_token_id, text_config
+from .config import MARS_ARGUMENTS, MARSGenerationConfig, config_value, mask_token_id, text_config
 from .decoder import LOOP_KWARGS, MARSDecoder, cache_key
 from .tree import TreeDecoder
 
@@ -55,7 +55,7 @@ def check_supported(model, generation_config, model_kwargs, input_ids) -> int:
             "MARS decoding needs a prompt of at least one token per row; got input_ids of shape "
             f"{tuple(input_ids.shape)}. Start the prompt with BOS or the chat template's generation prompt.")
     gc = generation_config
-    if getattr(model.config, "is_encoder_decoder", False):
+    if config_value(model.config, "is_encoder_decoder", False):
         raise ValueError("MARS decoding supports decoder-only models only.")
     if (gc.num_beams or 1) > 1:
         raise ValueError(f"MARS decoding cannot be combined with beam search (num_beams={gc.num_beams}); use "
@@ -81,7 +81,7 @@ def check_supported(model, generation_config, model_kwargs, input_ids) -> int:
     mask_id = mask_token_id(model)
     # the embeddings' rows, asked of the model (~20-60 us) until they were seen to equal the config's vocab_size,
     # which transformers keeps in step with them (resize_token_embeddings): then the config's, while it says so
-    vocab = getattr(text_config(model.config), "vocab_size", None)
+    vocab = config_value(text_config(model.config), "vocab_size")
     if vocab is None or model.__dict__.get("_mars_vocab_size") != vocab:
         embeddings = model.get_output_embeddings()
         rows = embeddings.weight.shape[0] if embeddings is not None else None

@@ -253,10 +253,7 @@ MARS_ARGUMENTS = ("mars", "mars_config") + MARSGenerationConfig.argument_names()
 
 def read_mars_metadata(config) -> dict:
     """``config.mars`` (``{}`` when the model was never prepared for MARS); a non-dict value is an error."""
-    try:  # (the instance's own attribute: transformers' configs resolve every attribute read in python)
-        meta = object.__getattribute__(config, "__dict__").get("mars")
-    except AttributeError:
-        meta = getattr(config, "mars", None)
+    meta = config_value(config, "mars")
     if meta is None:
         return {}
     if not isinstance(meta, dict):
@@ -284,6 +281,17 @@ _TEXT_CONFIG_NAMES = frozenset(("text_encoder", "decoder", "generator", "text_co
 @functools.lru_cache(maxsize=None)
 def _has_text_config_attribute(cls) -> bool:
     return any(hasattr(cls, name) for name in _TEXT_CONFIG_NAMES)
+
+
+def config_value(config, name: str, default=None):
+    """``getattr(config, name, default)``, read from the config's own ``__dict__`` where it is there: transformers'
+    configs resolve every attribute read in python (aliases of ``attribute_map`` are not in ``__dict__``, so they
+    still go through it), and a call reads a few on every generate call."""
+    try:
+        values = object.__getattribute__(config, "__dict__")
+    except AttributeError:
+        return getattr(config, name, default)
+    return values[name] if name in values else getattr(config, name, default)
 
 
 def text_config(config):

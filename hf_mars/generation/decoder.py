@@ -17,7 +17,7 @@ import torch
 
 from .cache import RollbackCache
 from .clients import history_free, sort_clients
-from .config import mask_token_id, text_config
+from .config import config_value, mask_token_id, text_config
 from .exact import decide_exact
 from .forward import (
     GuardedSteps,
@@ -126,7 +126,7 @@ class MARSDecoder:
         # a step's trailing drafts and masks may reach past the model's context (learned absolute positions,
         # GPT-2 / OPT, then index past their table) although the answer fits: only tokens past max_new read
         # those columns, so their positions are clamped to the last one (the emitted tokens are unchanged)
-        limit = getattr(text_config(self.model.config), "max_position_embeddings", None)
+        limit = config_value(text_config(self.model.config), "max_position_embeddings")
         self.max_positions = limit if isinstance(limit, int) else None
         self.last_position = limit - 1 if self.max_positions and P + self.max_new + max_slots > limit else None
         self.positions = positions(self.buf_len + 2 * (self.shape.chunk + self.shape.candidates) + 8, dev)
