@@ -48,7 +48,7 @@ def history_free(chain) -> bool:
     return all(isinstance(p, HISTORY_FREE_PROCESSORS) for p in chain)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Clients:
     """The processors and criteria of one call, sorted by what MARS may show them."""
 

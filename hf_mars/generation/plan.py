@@ -54,7 +54,7 @@ def positions(n: int, device) -> torch.Tensor:
     return base
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class StepPlan:
     """What one step feeds and may accept, per row (python lists), and the device tensors laid out from it."""
 

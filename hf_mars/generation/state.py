@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Shape:
     """The geometry of every step: how many candidates, drafts and chunk columns."""
 
