@@ -44,11 +44,11 @@ def check_rollback(model, cache) -> None:
     """A clear error for a cache MARS cannot roll back (quantized, offloaded, linear-attention, state-space)."""
     odd = [layer for layer in getattr(cache, "layers", None) or [] if type(layer) not in ROLLBACK_LAYERS]
     if odd or getattr(cache, "is_croppable", True) is False:  # (is_croppable: transformers >= 5.17)
-        odd = sorted({type(layer).__name__ for layer in odd})
+        names = sorted({type(layer).__name__ for layer in odd})
         model_type = getattr(model.config, "model_type", type(model).__name__)
         raise ValueError(
             f"MARS decoding rolls the KV cache back after every step; {type(cache).__name__} of {model_type!r} "
-            f"({', '.join(odd) or 'not croppable'}) cannot do that. Use the default dynamic cache or "
+            f"({', '.join(names) or 'not croppable'}) cannot do that. Use the default dynamic cache or "
             "cache_implementation='static' (transformers >= 5.24; quantized and offloaded caches cannot roll "
             "back); models with linear-attention or state-space layers are not supported.")
 

@@ -143,11 +143,11 @@ class MARSDecoder:
         self.model_forward = self.decode_forward = model.__call__
         self.prefill_forward = self.read_forward = None
         compile_config = getattr(generation_config, "compile_config", None)
-        if self.cache.static and not getattr(generation_config, "disable_compile", False) and (
-                self.device.type in ("cuda", "xpu", "neuron", "tpu")
-                or bool(compile_config is not None and getattr(compile_config, "_compile_all_devices", None))) and (
-                getattr(self.cache.cache, "is_compileable", False)
-                and getattr(getattr(model, "hf_quantizer", None), "is_compileable", True)):
+        wants = self.cache.static and not getattr(generation_config, "disable_compile", False) and (
+            self.device.type in ("cuda", "xpu", "neuron", "tpu")
+            or bool(compile_config is not None and getattr(compile_config, "_compile_all_devices", None)))
+        if wants and getattr(self.cache.cache, "is_compileable", False) and (
+                getattr(getattr(model, "hf_quantizer", None), "is_compileable", True)):
             compile_config = compile_config or model._default_compile_config()
             self.decode_forward = GuardedSteps(compiled_decode_call(model, compile_config), opts.guard_every_step)
             if opts.compile_prefill:
