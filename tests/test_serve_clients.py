@@ -6,14 +6,18 @@ at once. The model is a position-only GPT-2 with a long context (so one answer c
 """
 
 import json
+import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
-from servers import save_checkpoint, start_mars_server, stop_server
+from servers import free_port, save_checkpoint, start_mars_server, stop_server
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -212,3 +216,18 @@ def test_shutdown_is_not_held_by_a_half_sent_body(ckpt):
     assert time.time() - start < READ_TIMEOUT + 10
     sock.close()
     proc.stdout.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("key", ["", "  "])
+def test_an_empty_api_key_is_refused_at_start(ckpt, key):
+    """`--api-key "$KEY"` with KEY unset must not start a server with every route open."""
+    cli = Path(sys.executable).with_name("hf-mars")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(ckpt[1] / "modules"), OMP_NUM_THREADS="1")
+    try:
+        done = subprocess.run([str(cli), "serve", str(ckpt[0]), "--port", str(free_port()), "--api-key", key],
+                              env=env, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("hf-mars serve started with an empty --api-key")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("hf-mars serve: error: --api-key is empty")
