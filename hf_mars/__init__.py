@@ -1,7 +1,8 @@
 """hf-mars: MARS (Mask AutoRegression) for transformers and TRL.
 
 Public names are imported lazily so that `import hf_mars` stays cheap (TRL and
-datasets are only loaded when the trainer is used).
+datasets are only loaded when the trainer is used); so are the submodules, so that
+`import hf_mars` then `hf_mars.hub.write_mars_extras(...)` works as the README writes it.
 """
 
 __version__ = "0.1.0"
@@ -26,6 +27,9 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
+_SUBMODULES = frozenset({"cli", "collator", "config", "demo", "generation", "hub", "masking", "model_card", "serve",
+                         "tokens", "trainer", "vllm"})
+
 
 def __getattr__(name):
     if name in _EXPORTS:
@@ -34,6 +38,10 @@ def __getattr__(name):
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"hf_mars.{name}")  # the import binds it here too
     raise AttributeError(f"module 'hf_mars' has no attribute {name!r}")
 
 

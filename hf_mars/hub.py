@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -248,6 +249,17 @@ def write_custom_generate(save_directory) -> Path:
     return out / "generate.py"
 
 
+def _give_weights_the_umask_mode(directory: Path) -> None:
+    """safetensors (0.8) writes weights through a private temporary file, so they end up 0600 while every other
+    file of the checkpoint gets 0666 minus the umask: a shared or served folder then has unreadable weights.
+    Only files left exactly at 0600 are changed (a mode someone chose otherwise stays)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in directory.glob("*.safetensors"):
+        if path.is_file() and not path.is_symlink() and path.stat().st_mode & 0o777 == 0o600:
+            path.chmod(0o666 & ~umask)
+
+
 # --------------------------------------------------------------------------- generation defaults
 
 
@@ -316,7 +328,8 @@ def write_mars_extras(save_directory, model=None, tokenizer=None, training_args=
 
     Called by MARSTrainer for every checkpoint it saves (after save_pretrained wrote weights,
     config and tokenizer). Writes generation_config.json MARS defaults, custom_generate/ and
-    README.md. ``card_fields`` go to the model card (see ``CARD_FIELDS``); ``mars_threshold`` /
+    README.md, and gives 0600 ``*.safetensors`` files the mode the umask gives the others.
+    ``card_fields`` go to the model card (see ``CARD_FIELDS``); ``mars_threshold`` /
     ``mars_block_size`` / ``mars_draft_tree`` set the generation defaults.
     """
     directory = Path(save_directory)
@@ -353,6 +366,7 @@ def write_mars_extras(save_directory, model=None, tokenizer=None, training_args=
     card = build_model_card(directory, mars, config_dict, threshold, block_size, model=model, tokenizer=tokenizer,
                             training_args=training_args, **card_fields)
     card.save(directory / "README.md")
+    _give_weights_the_umask_mode(directory)
     return directory
 
 

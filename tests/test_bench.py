@@ -190,3 +190,18 @@ def test_static_compile_peer_spec():
     assert kw["cache_implementation"] == "static" and kw["compile_config"]._compile_all_devices is True
     with pytest.raises(ValueError, match="Unknown peer"):
         bench.build_specs([1.0], ["sliding"], [], None, 16, peers=("vllm",))
+
+
+def test_help_shows_the_defaults(capsys):
+    """`hf-mars bench --help` says what a run measures without each flag (through the real entry point)."""
+    from hf_mars.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    text = text[text.index("-h, --help"):]  # the flags' descriptions, after the usage line
+    for flag, default in [("--num-prompts", "16"), ("--max-new-tokens", "64"), ("--repeats", "3"),
+                          ("--batch-sizes", "[1, 4, 16]"), ("--dtype", "float32")]:
+        assert f"(default: {default})" in text.split(f"{flag} ", 1)[1].split(" --", 1)[0], flag
+    assert "(default: None)" not in text and "(default: False)" not in text

@@ -1,6 +1,6 @@
 """`accelerate launch` runs MARS training across two CPU processes (examples/train_mars.py, DDP over gloo).
 
-Note: with accelerate 1.15, `accelerate launch --num_processes 2 --cpu` starts ONE process unless an MPI hostfile
+Note: with accelerate 1.16, `accelerate launch --num_processes 2 --cpu` starts ONE process unless an MPI hostfile
 is configured (its CPU launcher is mpirun). Two CPU processes come from the torchrun-based launcher:
 `accelerate launch --multi_gpu --num_processes 2 script.py --use_cpu` (the `--use_cpu` training argument, or
 ACCELERATE_USE_CPU=1, makes the processes use CPU + gloo).
@@ -95,7 +95,7 @@ def _torchrun(worker, *args, cwd):
 def test_fsdp_sharded_mars_step_equals_single_process_step(tmp_path, normalization):
     """FSDP2 (torch's fully_shard) over two CPU processes: MARSTrainer's loss on each rank's half of a batch, one SGD
     step, gathered weights == one process taking the step on the whole batch. (accelerate's FSDP plugin needs an
-    accelerator: on a CPU-only machine accelerate 1.15 turns `distributed_type: FSDP` into MULTI_CPU.)"""
+    accelerator: on a CPU-only machine accelerate 1.16 turns `distributed_type: FSDP` into MULTI_CPU.)"""
     pytest.importorskip("torch.distributed.fsdp")
     _torchrun("fsdp_train_worker.py", tmp_path, normalization, cwd=tmp_path)
     sharded = load_file(str(tmp_path / "sharded.safetensors"))
@@ -120,7 +120,7 @@ def test_mars_generation_with_fsdp_sharded_parameters_steps_in_lockstep(tmp_path
 
 
 _DEEPSPEED_ON_CPU = (
-    "DeepSpeed through accelerate needs two accelerator devices: on a CPU-only machine accelerate 1.15 gives the "
+    "DeepSpeed through accelerate needs two accelerator devices: on a CPU-only machine accelerate 1.16 gives the "
     "DeepSpeed plugin world_size=1 while DeepSpeed's own process group has 2 ranks, and the run stops with "
     "'AssertionError: Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * "
     "gradient_acc_step * world_size 2 != 2 * 1 * 2'; with --use_cpu accelerate drops DeepSpeed for plain MULTI_CPU"
@@ -134,7 +134,7 @@ def test_sharded_engine_configs_as_shipped(tmp_path, config):
     whole batch. Needs two GPUs (accelerate runs neither engine on CPU); skipped with the reason elsewhere."""
     if torch.cuda.device_count() < 2:
         pytest.skip(_DEEPSPEED_ON_CPU if config.startswith("deepspeed") else
-                    "accelerate 1.15 turns `distributed_type: FSDP` into MULTI_CPU without accelerators; FSDP2 itself is "
+                    "accelerate 1.16 turns `distributed_type: FSDP` into MULTI_CPU without accelerators; FSDP2 itself is "
                     "tested on CPU by test_fsdp_sharded_mars_step_equals_single_process_step")
     if config.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (pip install deepspeed)")

@@ -121,6 +121,22 @@ def test_checkpoint_files(saved):
     assert sorted(r.split(">=")[0] for r in reqs) == ["torch", "transformers"] and all(">=" in r for r in reqs)
 
 
+def test_weights_get_the_umask_mode_like_the_other_files(request, tmp_path):
+    """safetensors writes weights through a private temporary file (0600): save_for_hub and every MARSTrainer
+    save give them the mode the umask gives config.json; a mode chosen otherwise is kept."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for source in ("saved", "trained"):
+        top = request.getfixturevalue(source)[2]
+        for folder in (top, *sorted(top.glob("checkpoint-*"))):
+            modes = {p.name: p.stat().st_mode & 0o777 for p in (folder / "model.safetensors", folder / "config.json")}
+            assert modes == {"model.safetensors": 0o666 & ~umask, "config.json": 0o666 & ~umask}, (folder, modes)
+    folder = shutil.copytree(request.getfixturevalue("saved")[2], tmp_path / "copy")
+    (folder / "model.safetensors").chmod(0o640)
+    hub.write_mars_extras(folder)
+    assert (folder / "model.safetensors").stat().st_mode & 0o777 == 0o640
+
+
 def test_generation_module_is_standalone():
     """The copied modules import only torch, transformers, the stdlib and each other (they run without hf_mars)."""
     files = hub.generation_package_files()

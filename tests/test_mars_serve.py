@@ -178,7 +178,7 @@ def server(checkpoint):
                         "--max-tokens-limit", "1600")
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-test", max_retries=0, timeout=120)
     yield client, port
-    assert stop_server(proc, timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down cleanly
+    assert stop_server(proc, timeout=60) == 0  # SIGTERM: a clean shutdown
 
 
 def _chat(client, text, n=40, stream=False, **kw):
@@ -286,7 +286,7 @@ def test_queue_limit_and_graceful_shutdown(checkpoint):
     proc.send_signal(signal.SIGTERM)
     for t in threads:
         t.join(timeout=120)
-    assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
     answered = [i for i, r in results.items() if r == 1200]
     assert len(results) == 6 and set(results.values()) <= {1200, 429}, results
     assert 429 in results.values() and len(answered) >= 2  # one decoding + one waiting, the rest refused

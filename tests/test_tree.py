@@ -264,11 +264,21 @@ def test_an_asked_for_tree_is_refused_clearly(peaky, case):
 
 
 def test_sampling_with_an_asked_for_tree_uses_the_chain(peaky, caplog):
+    """Accepted with a warning, not refused (the README's "Draft trees" says so)."""
+    from transformers.utils import logging as hf_logging
+
     model, tok = peaky
     enc = tok(["hello world"], return_tensors="pt")
     torch.manual_seed(0)
-    out = model.generate(**enc, max_new_tokens=8, do_sample=True, mars_verify=True, mars_draft_tree="2,1")
+    tree_module._logger.warning_once.cache_clear()  # the warning is given once per process
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            out = model.generate(**enc, max_new_tokens=8, do_sample=True, mars_verify=True, mars_draft_tree="2,1")
+    finally:
+        hf_logging.disable_propagation()
     assert out.shape[1] == enc.input_ids.shape[1] + 8
+    assert "decoding with the draft chain instead of a tree: sampling" in caplog.text
 
 
 @pytest.mark.parametrize("value,match", [("0,1", "ints >= 1"), ("abc", "ints >= 1"), ("1,1,1,1,1,1", "deep"),

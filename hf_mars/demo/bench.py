@@ -20,6 +20,7 @@ size, after a warm-up; each figure is the median over ``repeats``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -463,7 +464,18 @@ def _tqdm(**kw):
 # ----------------------------------------------------------------------------------------------- CLI
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows each flag's default, so a reader knows what a run measures without the flag; not for flags
+    that are unset or off by default, or whose help already says what applies."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in (action.help or "").lower():
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_arguments(parser):
+    parser.formatter_class = _DefaultsHelpFormatter
     parser.add_argument("--model", required=True, help="Checkpoint folder (AutoModelForCausalLM + AutoTokenizer, with the MARS mask token).")
     parser.add_argument("--prompts", default=None,
                         help="Prompt file: .txt (one per line), .jsonl or .json (strings, {'prompt': ...}, {'messages': [...]}). "
@@ -487,8 +499,8 @@ def add_arguments(parser):
                              "MARS without a KV cache (the method's own sampler: the whole sequence re-run every "
                              "step) and plain generate; with the static_compile peer, MARS on the static cache + "
                              "compile too. Reports ms per call and identical answers.")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16], help="Batch sizes timed.")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="New tokens per prompt.")
     parser.add_argument("--block-size", type=int, default=None, help="MARS B (default: the checkpoint's).")
     parser.add_argument("--cache-block", type=int, default=DEFAULT_CACHE_BLOCK, help="Block cache chunk (mars_cache_block).")
     parser.add_argument("--repeats", type=int, default=3, help="Timed repeats; the median is reported.")
@@ -496,8 +508,9 @@ def add_arguments(parser):
     parser.add_argument("--cost-repeats", type=int, default=30,
                         help="Timed calls per width in the step-cost table (the fastest is kept).")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice).")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="Device the model runs on.")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="The model's dtype.")
     parser.add_argument("--no-chat-template", action="store_true", help="Feed text prompts raw instead of as a user turn.")
     parser.add_argument("--output", default=None, help="Write the JSON result here.")
     parser.add_argument("--quiet", action="store_true", help="No progress bar.")

@@ -294,6 +294,8 @@ def build_app(model: str, ladder: TauLadder, *, served_model_name: str | None = 
 
     from ..generation import enable_mars
 
+    if api_key is not None and not api_key.strip():  # e.g. `--api-key "$KEY"` with KEY unset: not "no key"
+        raise ValueError("--api-key is empty: pass a non-empty key, or leave --api-key out to serve without one")
     if enable_admin and not api_key:
         raise ValueError("--enable-admin needs --api-key: /load_model and /reset must not be open to anyone")
     name = served_name(model, served_model_name)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import signal
+import threading
 
 from ..generation.config import MARSGenerationConfig, parse_draft_tree
 from .ladder import TauLadder
@@ -134,7 +137,35 @@ def run(args):
           f"{mode}, batches of up to {args.max_batch_size}; metrics at /metrics", flush=True)
     # uvicorn's shutdown (SIGINT / SIGTERM) stops accepting, then waits up to --graceful-timeout for open requests;
     # the decode thread keeps draining the queue until then
-    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                  http=header_deadline_protocol(args.read_timeout),
-                                  timeout_graceful_shutdown=args.graceful_timeout)).run()
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           http=header_deadline_protocol(args.read_timeout),
+                                           timeout_graceful_shutdown=args.graceful_timeout))
+    with clean_exit_on_signals(server) as received:
+        server.run()
+    print("hf-mars serve: shut down" + (f" on {received[-1]}" if received else ""), flush=True)
     return 0
+
+
+@contextlib.contextmanager
+def clean_exit_on_signals(server):
+    """SIGINT and SIGTERM shut the server down gracefully and the command exits 0; yields the signals' names.
+
+    uvicorn handles both while it serves, then re-raises the signal to the handler it found: Python's default
+    kills the process on SIGTERM (status 143, no shutdown line) and asyncio's raises KeyboardInterrupt on SIGINT
+    (a traceback). Ours, installed around the whole run, records the re-raised signal instead; one that arrives
+    before uvicorn's handlers are in (the event loop starting) asks the server to exit, as uvicorn's would."""
+    received = []
+    if threading.current_thread() is not threading.main_thread():  # signals are only delivered to the main thread
+        yield received
+        return
+
+    def handler(sig, frame):
+        received.append(signal.Signals(sig).name)
+        server.handle_exit(sig, frame)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
