@@ -55,6 +55,27 @@ def base_model_path() -> Path:
     return Path(__file__).resolve().parent / "assets" / "tiny-base"
 
 
+def _base_folder(name) -> Path:
+    """``--base`` as a checkpoint folder: the shipped tiny base, a named real base (``hf_mars.pretrained``,
+    converted on first use) or a folder."""
+    from hf_mars.pretrained import resolve_base
+
+    base = resolve_base(name) if name else base_model_path()
+    if not (base / "config.json").is_file():
+        raise ValueError(f"No base checkpoint at {base}. Rebuild the shipped one with "
+                         "`python examples/build_tiny_base.py`, or pass --base DIR (or --base gemma3-270m).")
+    return base
+
+
+def has_chat_template(folder: Path) -> bool:
+    """Whether the checkpoint's tokenizer carries a chat template (the tiny pipeline needs one; a pretrained base
+    without one gets the real-text pipeline)."""
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    config = folder / "tokenizer_config.json"
+    return config.is_file() and bool(json.loads(config.read_text(encoding="utf-8")).get("chat_template"))
+
+
 def _log(msg: str) -> None:
     print(f"[hf-mars demo] {msg}", flush=True)
 
@@ -81,7 +102,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="fine-tuning steps for MARS and for the AR-SFT "
                         f"baseline each ({_size_help('steps')})")
     parser.add_argument("--batch-size", type=int, default=None, help=f"training batch size ({_size_help('batch_size')})")
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--learning-rate", type=float, default=None, help="default 1e-3 for the tiny base, 5e-5 for a "
+                        "pretrained one")
     parser.add_argument("--num-eval", type=int, default=None, help=f"held-out examples ({_size_help('num_eval')})")
     parser.add_argument("--timing-prompts", type=int, default=None, help="prompts in the wall-clock runs "
                         f"({_size_help('timing_prompts')})")
@@ -92,7 +114,13 @@ def add_arguments(parser) -> None:
                         "they meet when decoding; 0 disables")
     parser.add_argument("--verify-threshold", type=float, default=None, help="verify mode proposes a mask prediction "
                         "as a draft when its probability is >= this (accuracy is unaffected: every draft is checked)")
-    parser.add_argument("--base", default=None, help="AR-SFT base checkpoint (default: the shipped tiny base)")
+    parser.add_argument("--base", default=None, help="base checkpoint folder, or 'gemma3-270m' (Gemma 3 270M from "
+                        "the gemma3 extra, converted once and cached). Default: the shipped tiny AR-SFT base. A base "
+                        "without a chat template runs the real-text pipeline (hf_mars/demo/real.py)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="pretrained base only: tokens per "
+                        "distilled continuation and per evaluated answer (default 48; 16 with --quick)")
+    parser.add_argument("--train-embeddings", action="store_true", help="pretrained base only: also train the "
+                        "(tied) embedding matrix, frozen by default (on Gemma 3 270M it is 168M of 268M parameters)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
@@ -112,6 +140,8 @@ def _resolve(args) -> None:
         args.verify_threshold = DEFAULT_VERIFY_THRESHOLD
     if not 0.0 <= args.verify_threshold <= 1.0:
         raise ValueError(f"--verify-threshold must be in [0, 1], got {args.verify_threshold}.")
+    if args.learning_rate is None:
+        args.learning_rate = 1e-3
     if args.timing_prompts > args.num_eval:
         args.timing_prompts = args.num_eval
 
@@ -143,6 +173,20 @@ def run(args) -> int:
     _require_matplotlib()  # before minutes of training, not after
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    base = _base_folder(args.base)
+    if not has_chat_template(base):  # a pretrained base: real text, self-distilled (hf_mars/demo/real.py)
+        from hf_mars.demo import real
+
+        real.resolve_sizes(args)
+        _resolve(args)
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        return real.run(args, base, _prepare_output_dir(Path(args.output_dir)))
     _resolve(args)
     t_start = time.time()
     import shutil
@@ -158,10 +202,6 @@ def run(args) -> int:
     hf_logging.set_verbosity_error()
     if args.threads:
         torch.set_num_threads(args.threads)
-    base = Path(args.base) if args.base else base_model_path()
-    if not (base / "config.json").is_file():
-        raise ValueError(f"No AR-SFT base checkpoint at {base}. Rebuild the shipped one with "
-                         "`python examples/build_tiny_base.py`, or pass --base DIR.")
     out = _prepare_output_dir(Path(args.output_dir))
     work = Path(tempfile.mkdtemp(prefix="_work-", dir=out))  # this run's own scratch folder, removed at the end
     set_seed(args.seed)
