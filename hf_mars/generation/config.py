@@ -13,6 +13,8 @@ import functools
 
 from transformers.utils import logging as _hf_logging
 
+from .draft_vocab import parse_draft_vocab
+
 _logger = _hf_logging.get_logger(__name__)
 
 DEFAULT_THRESHOLD = 0.95  # the paper's multi-token setting (1.0 = one token per forward = AR greedy)
@@ -81,6 +83,11 @@ class MARSGenerationConfig:
         "draft per depth, new drafts only after all were accepted) or a tree shape 'k1,k2,...' (depth d offers "
         "its mask's top-k_d tokens; masks after every node, so the next drafts are ready whichever path is "
         "accepted). The output never depends on it."))
+    draft_vocab: tuple | None = _field(None, (
+        "Verify mode only: token ids (a list, tuple or 1-D tensor) that mask columns may draft; those columns get "
+        "logits over these ids alone, every other column the full vocabulary. The output never depends on it (each "
+        "draft is checked against a full-vocabulary column); it removes most of the LM head's cost at the masks on "
+        "a large vocabulary. Runs eager decode steps (refused with a compiled static cache). See draft_vocab.py."))
     compile_prefill: bool = _field(False, (
         "Where decode steps are compiled (a static cache with a compile config), compile the prefill too: the "
         "[prompt | masks] forward is padded at the end with masks to the next power of two (at most the cache's "
@@ -121,6 +128,7 @@ class MARSGenerationConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"mars_{name} must be True or False, got {getattr(self, name)!r}.")
         self.draft_tree = parse_draft_tree(self.draft_tree, self.block_size + self.use_last_mask - 1)
+        self.draft_vocab = parse_draft_vocab(self.draft_vocab)
         if self.verify and self.cache != "sliding":
             raise ValueError(
                 "mars_verify=True keeps its own sliding cache (rejected drafts are masked out in place); "
@@ -206,6 +214,11 @@ def _build(cls, items: tuple, from_call: frozenset):
     if "draft_tree" in from_call and config.draft_tree != "auto" and not config.verify:
         raise ValueError(f"mars_draft_tree={config.draft_tree!r} shapes verify mode's drafts; pass "
                          "mars_verify=True with it (threshold mode accepts mask predictions without drafts).")
+    if config.draft_vocab is not None and not config.verify:
+        if "draft_vocab" in from_call:
+            raise ValueError("mars_draft_vocab restricts verify mode's drafts; pass mars_verify=True with it "
+                             "(threshold mode emits mask predictions, so a smaller vocabulary would change them).")
+        config.draft_vocab = None  # a saved default of verify mode, not this threshold-mode call's
     return config
 
 

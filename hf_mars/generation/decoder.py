@@ -18,6 +18,7 @@ import torch
 from .cache import RollbackCache
 from .clients import history_free, sort_clients
 from .config import config_value, mask_token_id, text_config
+from .draft_vocab import DraftVocabulary
 from .exact import decide_exact
 from .forward import (
     GuardedSteps,
@@ -159,6 +160,13 @@ class MARSDecoder:
                     or self.output_scores or self.output_logits):
                 self.read_forward = GuardedSteps(compiled_read_call(model, compile_config), opts.guard_every_step)
                 self.tau_all = torch.full((self.batch, 1), opts.threshold, dtype=torch.float32, device=self.device)
+        self.draft_vocab = None
+        if opts.draft_vocab is not None:  # (verify mode only: config.py refuses it elsewhere)
+            if self.decode_forward is not self.model_forward:
+                raise ValueError("mars_draft_vocab runs eager decode steps; this call compiles them (a static cache "
+                                 "with a compile config). Drop one of the two.")
+            self.draft_vocab = DraftVocabulary(model, opts.draft_vocab, self.mask_token_id)
+            self.model_forward = self.decode_forward = self.draft_vocab.wrap(model.__call__)
         self.cache_key = cache_key(model_kwargs)
         self.extra_forward_kwargs = {k: v for k, v in model_kwargs.items() if k not in LOOP_KWARGS}
         self.supports_logits_to_keep = takes_logits_to_keep(model)
@@ -546,6 +554,14 @@ class MARSDecoder:
         if torch.is_grad_enabled():  # (generate already runs under no_grad: entering it again costs ~10 us a call)
             with torch.no_grad():
                 return self.run(synced)
+        if self.draft_vocab is not None:
+            with self.draft_vocab.installed(self.model):
+                return self._loop(synced)
+        return self._loop(synced)
+
+    def _loop(self, synced: bool):
+        """`run`'s steps, and the sequences they give."""
+        rows = self.rows
         while True:
             if synced:
                 finished_ranks = torch.tensor(0.0 if any(rows.unfinished) else 1.0, device=self.device)

@@ -1,0 +1,106 @@
+"""`mars_draft_vocab` (hf_mars/generation/draft_vocab.py): verify mode with the mask columns' logits restricted to a
+draft vocabulary is still exactly plain greedy, the restriction is real (mask columns see only the listed ids, real
+columns the full vocabulary), the model's LM head comes back after the call, and misuse is refused clearly."""
+
+import pytest
+import torch
+
+from hf_mars.generation import MARSGenerationConfig, enable_mars
+from hf_mars.generation.draft_vocab import DraftVocabulary, parse_draft_vocab, rank_tokens
+
+PROMPTS = ["hello world", "a", "the quick brown fox", "xy"]
+
+
+@pytest.fixture
+def peaky(make_model):
+    model, tok = make_model(seed=1, initializer_range=1.0)  # confident masks: drafts are often accepted
+    enable_mars(model)
+    return model, tok
+
+
+def _greedy(model, enc, **kw):
+    return model.generate(**enc, max_new_tokens=24, do_sample=False, **kw)
+
+
+def _vocabularies(model, tok):
+    """A draft vocabulary from the model's own greedy output (what the demo builds), one of a few ids, the whole
+    vocabulary as a tensor."""
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    own = rank_tokens(_greedy(model, enc).tolist())
+    return {"own-output": own, "tiny": [5, 6, 7], "all": torch.arange(model.config.vocab_size)}
+
+
+@pytest.mark.parametrize("tree", ["auto", "chain"])
+def test_verify_with_a_draft_vocabulary_is_plain_greedy(peaky, tree):
+    model, tok = peaky
+    tok.padding_side = "left"
+    for name, vocab in _vocabularies(model, tok).items():
+        for prompts in (PROMPTS[:1], PROMPTS):  # batch 1 and a left-padded batch
+            enc = tok(prompts, return_tensors="pt", padding=True)
+            plain = _greedy(model, enc, mars=False)
+            out = _greedy(model, enc, mars=True, mars_verify=True, mars_draft_tree=tree, mars_draft_vocab=vocab)
+            assert torch.equal(out, plain), (name, prompts)
+
+
+def test_mask_columns_see_only_the_draft_vocabulary(peaky):
+    """The split head itself: on [prompt | masks], real columns equal the plain head's logits, mask columns equal
+    them on the listed ids and are -inf elsewhere."""
+    model, tok = peaky
+    mask_id = model.config.mars["mask_token_id"]
+    ids = tok("hello", return_tensors="pt")["input_ids"]
+    input_ids = torch.cat([ids, torch.full((1, 3), mask_id)], dim=1)
+    with torch.no_grad():
+        plain = model(input_ids=input_ids).logits
+        vocab = DraftVocabulary(model, (5, 9, 11, mask_id), mask_id)
+        with vocab.installed(model):
+            split = vocab.wrap(model.__call__)(input_ids=input_ids, logits_to_keep=0).logits
+    real, masks = slice(0, ids.shape[1]), slice(ids.shape[1], None)
+    torch.testing.assert_close(split[:, real], plain[:, real])
+    listed = torch.tensor([5, 9, 11])
+    torch.testing.assert_close(split[:, masks][..., listed], plain[:, masks][..., listed])
+    others = torch.ones(plain.shape[-1], dtype=torch.bool)
+    others[listed] = False
+    assert torch.isinf(split[:, masks][..., others]).all() and not torch.isinf(split[:, real]).any()
+
+
+def test_the_model_keeps_its_own_head(peaky):
+    model, tok = peaky
+    head = model.get_output_embeddings()
+    enc = tok(PROMPTS[:1], return_tensors="pt")
+    _greedy(model, enc, mars=True, mars_verify=True, mars_draft_vocab=[5, 6])
+    assert model.get_output_embeddings() is head
+    vocab = DraftVocabulary(model, (5,), model.config.mars["mask_token_id"])
+    with pytest.raises(RuntimeError), vocab.installed(model):
+        raise RuntimeError("a failing step")
+    assert model.get_output_embeddings() is head
+
+
+def test_refusals(peaky):
+    model, tok = peaky
+    enc = tok(PROMPTS[:1], return_tensors="pt")
+    with pytest.raises(ValueError, match="mars_verify=True"):
+        _greedy(model, enc, mars=True, mars_threshold=0.9, mars_draft_vocab=[5, 6])
+    with pytest.raises(ValueError, match="outside this model"):
+        _greedy(model, enc, mars=True, mars_verify=True, mars_draft_vocab=[10 ** 6])
+    for bad in ([], [1.5], ["a"], [-1], 7, [True]):
+        with pytest.raises(ValueError, match="mars_draft_vocab"):
+            parse_draft_vocab(bad)
+    assert parse_draft_vocab(torch.tensor([3, 3, 2])) == (3, 2)
+
+
+def test_a_saved_draft_vocabulary_serves_verify_and_stays_out_of_threshold_mode(peaky):
+    """A checkpoint may carry its draft vocabulary as a generation default (mars_draft_vocab in
+    generation_config.json): verify calls use it, threshold-mode calls ignore it rather than fail."""
+    model, tok = peaky
+    model.generation_config.mars_draft_vocab = [5, 6, 7]
+    enc = tok(PROMPTS[:1], return_tensors="pt")
+    assert MARSGenerationConfig.resolve(model, model.generation_config, mars_verify=True).draft_vocab == (5, 6, 7)
+    assert MARSGenerationConfig.resolve(model, model.generation_config, mars_threshold=0.9).draft_vocab is None
+    plain = _greedy(model, enc, mars=False)
+    assert torch.equal(_greedy(model, enc, mars=True, mars_verify=True), plain)
+    _greedy(model, enc, mars=True, mars_threshold=0.9)  # no error
+
+
+def test_rank_tokens_orders_by_frequency_then_id():
+    assert rank_tokens([[3, 1, 3], [2, 1, 3]]) == [3, 1, 2]
+    assert rank_tokens([[3, 1, 3], [2, 1, 3]], size=2) == [3, 1]
