@@ -39,12 +39,12 @@ def _config(**kw):
 
 def test_speculative_config_builds_and_refuses_unknown_options():
     assert speculative_config() == {"method": "mars"}
-    assert speculative_config(block_size=2) == {"method": "mars", "block_size": 2}
+    assert speculative_config(block_size=2) == {"method": "mars", "speculator_options": {"block_size": 2}}
     with pytest.raises(ValueError, match="unknown option"):
         speculative_config(num_speculative_tokens=4)
     with pytest.raises(ValueError, match="block_size"):
         speculative_config(block_size=0)
-    assert speculative_config(batch_ladder="1:4,16:2,48:0")["batch_ladder"] == "1:4,16:2,48:0"
+    assert speculative_config(batch_ladder="1:4,16:2,48:0")["speculator_options"] == {"batch_ladder": "1:4,16:2,48:0"}
     for bad in ("4:4", "1:4,1:2", "1:4,x", "1:-1"):
         with pytest.raises(ValueError, match="batch_ladder"):
             speculative_config(batch_ladder=bad)
@@ -54,6 +54,11 @@ def test_translation_to_vllm_and_refusals():
     assert options.to_vllm({"method": "mars"}, _config()) == {
         "method": "custom_class", "model": options.PROPOSER, "num_speculative_tokens": 2 * BLOCK}
     assert options.to_vllm({"method": "mars", "block_size": 2}, _config())["num_speculative_tokens"] == 4
+    assert options.to_vllm(speculative_config(block_size=2), _config())["num_speculative_tokens"] == 4
+    with pytest.raises(ValueError, match="both flat and in speculator_options"):
+        options.to_vllm({"method": "mars", "block_size": 2, "speculator_options": {"block_size": 3}}, _config())
+    with pytest.raises(ValueError, match="unknown speculator_options"):
+        options.to_vllm({"method": "mars", "speculator_options": {"num_speculative_tokens": 8}}, _config())
     laddered = options.to_vllm({"method": "mars", "batch_ladder": "1:4,16:2,48:0"}, _config())
     assert laddered["num_speculative_tokens_per_batch_size"] == [(1, 15, 8), (16, 47, 4), (48, 1 << 20, 0)]
     with pytest.raises(ValueError, match="above block_size"):

