@@ -1,11 +1,11 @@
-"""MARS's per-request draft bookkeeping inside vLLM, in plain Python: one rule for both vLLM paths.
+"""MARS's draft bookkeeping inside vLLM, in plain Python: one rule for both vLLM paths.
 
-Each step a request's speculative tokens are ``[pending drafts | masks]``. After the forward:
+Each step a request's speculative tokens are ``[pending drafts | masks]``; ``forbid_mask`` puts -inf on the mask
+token's logit, so verification always stops at the first mask. After the forward:
 
 - ``mask_span``: which mask positions' hidden states give the next drafts. The first mask sits right after the
   drafts; the masks predict what follows those drafts, so they are used only when every draft was accepted (the
-  target then emitted all of them plus its own token at the first mask, whose logit is -inf so it is always
-  rejected).
+  target then emitted all of them plus its own token at the first mask).
 - ``proposal``: the next step's speculative tokens, ``[new drafts | masks]``.
 
 ``proposer.py`` (vLLM 0.32-0.33, ``custom_class``) and ``speculator_gpu.py`` (vLLM >= 0.34, a registered method)
@@ -34,3 +34,18 @@ def proposal(drafts: Sequence[int], mask_id: int, block: int, width: int | None 
     as fill ``width`` (vLLM 0.34, where every request drafts the same number of tokens)."""
     head = list(drafts[:block])
     return head + [mask_id] * (block if width is None else width - len(head))
+
+
+def forbid_mask(model, mask_id: int) -> None:
+    """Make ``model.compute_logits`` (every logits vLLM computes with it: verification, sampling, logprobs, our
+    drafts) put -inf on the mask token. Verification then always rejects at the first mask, whose row carries
+    the target's own token, a draft's argmax is never the mask, and no request can emit it."""
+    compute_logits = model.compute_logits
+
+    def without_mask(hidden_states, *args, **kwargs):
+        logits = compute_logits(hidden_states, *args, **kwargs)
+        if logits is not None:  # None on the ranks that do not gather the logits
+            logits[..., mask_id] = float("-inf")
+        return logits
+
+    model.compute_logits = without_mask

@@ -2,7 +2,7 @@
 
 Each step a running request is fed ``[last token | pending drafts | B mask tokens]``. vLLM schedules the drafts
 and the masks together as its speculative tokens (``num_speculative_tokens = 2B``), so its own rejection sampler
-verifies the drafts, and always stops at the first mask: the mask token's logit is -inf (``load_model``), so
+verifies the drafts, and always stops at the first mask: the mask token's logit is -inf (``forbid_mask``), so
 the target never predicts it, and the target's own token there is vLLM's usual bonus token. vLLM's bookkeeping
 then rolls the KV of every rejected draft and of the masks back, as for any rejected speculative token.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .drafts import mask_span, proposal
+from .drafts import forbid_mask, mask_span, proposal
 from .options import checkpoint_facts
 
 MISSING_PATCH = ("hf_mars.vllm: the MARS proposer was called through vLLM's plain custom_class interface, which "
@@ -41,18 +41,9 @@ class MarsProposer:
         self.model = None
 
     def load_model(self, target_model) -> None:
-        """Keep the target (its LM head drafts) and make it never predict the mask token, in every logits it
-        computes: verification then always rejects at the first mask, and no request can emit one."""
+        """Keep the target (its LM head drafts) and make it never predict the mask token (``forbid_mask``)."""
         self.model = target_model
-        compute_logits, mask_id = target_model.compute_logits, self.mask_id
-
-        def without_mask(hidden_states, *args, **kwargs):
-            logits = compute_logits(hidden_states, *args, **kwargs)
-            if logits is not None:
-                logits[..., mask_id] = float("-inf")
-            return logits
-
-        target_model.compute_logits = without_mask
+        forbid_mask(target_model, self.mask_id)
 
     def propose(self, *args, **kwargs):
         raise RuntimeError(MISSING_PATCH)
