@@ -224,10 +224,12 @@ def test_speculator_config_sets_2b_and_refuses_what_breaks_exactness(fake_vllm):
     spec = _spec()
     MarsSpeculatorConfig.configure(spec)
     assert spec.num_speculative_tokens == 2 * B and spec.draft_model_config is spec.target_model_config
-    spec = _spec(speculator_options={"block_size": 2, "batch_ladder": "1:2,16:0"}, num_speculative_tokens=4)
-    MarsSpeculatorConfig.configure(spec)  # a width equal to ours is no clash
+    spec = _spec(speculator_options={"block_size": 2, "batch_ladder": "1:2,16:0"})
+    MarsSpeculatorConfig.configure(spec)
+    assert spec.num_speculative_tokens == 4
     assert spec.num_speculative_tokens_per_batch_size == [(1, 15, 4), (16, 1 << 20, 0)]
-    for clash in (dict(num_speculative_tokens=3), dict(model="other/draft"), dict(draft_sample_method="probabilistic"),
+    for clash in (dict(num_speculative_tokens=2 * B), dict(num_speculative_tokens_per_batch_size=[(1, 8, 2)]),
+                  dict(model="other/draft"), dict(draft_sample_method="probabilistic"),
                   dict(rejection_sample_method="synthetic"), dict(enable_adaptive_verification=True),
                   dict(target_parallel_config=SimpleNamespace(enable_batch_sharded_sampling=True))):
         with pytest.raises(ValueError, match="cannot be combined"):

@@ -22,6 +22,7 @@ from vllm.v1.worker.gpu.spec_decode.speculator_config import SpeculatorConfig, r
 from .options import METHOD, OPTIONS_KEY, check_tokenizer, mars_settings, user_options
 
 SPECULATOR = "hf_mars.vllm.speculator_gpu.MarsSpeculator"
+SET = ("num_speculative_tokens", "num_speculative_tokens_per_batch_size")  # MARS sets these, as on 0.32
 # SpeculativeConfig fields MARS relies on staying at vLLM's default: one draft per position with no draft
 # distribution (point proposals), standard (exact) rejection sampling, every scheduled draft verified.
 KEEP = {"model": None, "draft_sample_method": "greedy", "rejection_sample_method": "standard",
@@ -46,8 +47,7 @@ class MarsSpeculatorConfig(SpeculatorConfig):
                              "--model); none was given to SpeculativeConfig.")
         settings = mars_settings(user_options({"method": METHOD, OPTIONS_KEY: spec.speculator_options or {}}),
                                  target.hf_config)
-        clashes = [f"{name}={getattr(spec, name)!r}" for name, value in settings.items()
-                   if getattr(spec, name) is not None and _plain(getattr(spec, name)) != _plain(value)]
+        clashes = [f"{name}={getattr(spec, name)!r}" for name in SET if getattr(spec, name) is not None]
         clashes += [f"{name}={getattr(spec, name)!r}" for name, value in KEEP.items() if getattr(spec, name) != value]
         if getattr(spec.target_parallel_config, "enable_batch_sharded_sampling", False):
             clashes.append("enable_batch_sharded_sampling (its sharded logits bypass the -inf on the mask token)")
@@ -58,11 +58,6 @@ class MarsSpeculatorConfig(SpeculatorConfig):
         for name, value in settings.items():
             setattr(spec, name, value)
         check_tokenizer(target)
-
-
-def _plain(value):
-    """A setting as plain tuples, so a schedule given as lists equals ours."""
-    return [tuple(v) for v in value] if isinstance(value, list) else value
 
 
 def install() -> None:
