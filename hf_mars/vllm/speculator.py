@@ -1,9 +1,10 @@
 """MARS as a registered speculative method of vLLM >= 0.34 (the V2 model runner, the only one there).
 
 NOT YET RUN. Written against vLLM 0.34.0's source; no CPU build of vLLM 0.34 exists and no GPU was lent when it
-was written, so nothing here has run inside vLLM (``benchmarks/gpu_check.sh`` is its first run). What is tested
-without vLLM: the draft bookkeeping it shares with the 0.32 path (``drafts.py``) and the registration branch of
-``_patches.install`` on a fake module tree (tests/test_vllm_speculator.py).
+was written, so nothing here has run inside vLLM (``benchmarks/gpu_check.sh`` is its first run). Tested without
+vLLM (tests/test_vllm_speculator.py, with fakes standing in for vLLM's base classes): the draft bookkeeping it
+shares with the 0.32 path (``drafts.py``), this config, ``MarsSpeculator.propose`` on CPU tensors, and the
+registration branch of ``_patches.install``.
 
 vLLM 0.34 lets a plugin add a method: ``register_speculative_method("mars", MarsSpeculatorConfig)``, after which
 ``{"method": "mars"}`` is accepted and ``speculator_options`` reaches ``MarsSpeculatorConfig.configure``. vLLM
