@@ -37,7 +37,7 @@ SETTINGS = {  # name -> --speculative-config (None: plain)
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
     "mars": {"method": "mars"},
     # B by the number of requests in a step: B = 4 up to 3, 2 up to 11, plain steps from 12 (vLLM's dynamic SD)
-    "mars_ladder": {"method": "mars", "batch_ladder": "1:4,4:2,12:0"},
+    "mars_ladder": {"method": "mars", "speculator_options": {"batch_ladder": "1:4,4:2,12:0"}},
 }
 
 

@@ -16,8 +16,9 @@ __all__ = ["register", "speculative_config"]
 
 
 def register() -> None:
-    """vLLM plugin entry point: installs the wrappers of ``_patches.py`` once per process. Never raises: on a vLLM
-    it does not support it logs one warning and steps aside (``_patches.install`` says why)."""
+    """vLLM plugin entry point, once per process: the wrappers of ``_patches.py`` on vLLM 0.32-0.33, or on vLLM
+    >= 0.34 the registered method of ``speculator.py`` (NOT YET RUN). Never raises: on a vLLM it does not support
+    it logs one warning and steps aside (``_patches.install`` says why)."""
     try:
         from . import _patches
     except Exception as exc:  # noqa: BLE001 - vLLM calls plugins unguarded; a raise here would stop all of vLLM

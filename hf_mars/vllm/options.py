@@ -1,9 +1,15 @@
 """The ``{"method": "mars"}`` speculative setting: validated, checked against the checkpoint, and turned into the
 vLLM setting that runs it. Pure Python (no vLLM import), so it is testable and importable anywhere.
 
-vLLM's ``SpeculativeConfig.method`` is a closed ``Literal``; "mars" runs as its ``custom_class`` method with our
-proposer and ``num_speculative_tokens = 2B`` (B pending drafts, then B mask tokens: see ``proposer.py``). The
-translation happens before vLLM validates the setting, so a user writes only ``{"method": "mars"}``.
+A user writes ``{"method": "mars"}``, options under ``speculator_options``. Either way MARS schedules
+``num_speculative_tokens = 2B`` per request (B pending drafts, then B mask tokens: see ``drafts.py``), from
+``mars_settings``:
+
+- vLLM 0.32-0.33: ``SpeculativeConfig.method`` is a closed ``Literal``, so "mars" runs as its ``custom_class``
+  method with our proposer (``to_vllm``), translated before vLLM validates the setting (``_patches.py``). The
+  options may also be given flat there (``{"method": "mars", "block_size": 2}``, the earlier form).
+- vLLM >= 0.34: "mars" is a registered method and vLLM hands ``speculator_options`` to our ``SpeculatorConfig``
+  (``speculator.py``); vLLM refuses unknown top-level keys, so the flat form fails there.
 """
 
 from __future__ import annotations
@@ -11,10 +17,12 @@ from __future__ import annotations
 METHOD = "mars"
 PROPOSER = "hf_mars.vllm.proposer.MarsProposer"
 OPTIONS = ("block_size", "batch_ladder")  # what a user may set next to the method; the rest comes from config.mars
+OPTIONS_KEY = "speculator_options"  # vLLM's field for a registered method's own options (>= 0.34)
 
 
 def speculative_config(**options) -> dict:
-    """The ``speculative_config`` for ``vllm.LLM`` / ``--speculative-config``: ``{"method": "mars", **options}``.
+    """The ``speculative_config`` for ``vllm.LLM`` / ``--speculative-config``: ``{"method": "mars"}``, with any
+    options as ``{"speculator_options": {...}}``, the form every supported vLLM accepts.
 
     ``block_size``: how many mask tokens (and so drafts) per step, at most the trained block size (the
     default). ``batch_ladder``: ``"BATCH:B,..."``, the block size by the number of requests in a step's batch,
@@ -29,7 +37,7 @@ def speculative_config(**options) -> dict:
         _check_block_size(options["block_size"])
     if "batch_ladder" in options:
         parse_batch_ladder(options["batch_ladder"])
-    return {"method": METHOD, **options}
+    return {"method": METHOD, OPTIONS_KEY: options} if options else {"method": METHOD}
 
 
 def parse_batch_ladder(spec) -> list[tuple[int, int]]:
@@ -111,22 +119,59 @@ def check_mask_token(tokenizer, hf_config) -> None:
                          f"tokenizer maps {name!r} to {found}: not this checkpoint's MARS mask token.")
 
 
-def to_vllm(spec: dict, hf_config) -> dict:
-    """``{"method": "mars"[, "block_size": b]}`` -> the vLLM ``custom_class`` setting that runs it."""
-    other = sorted(k for k in spec if k not in (("method",) + OPTIONS))
+def user_options(spec: dict) -> dict:
+    """The MARS options of a ``{"method": "mars", ...}`` setting: ``speculator_options``, or flat keys (the
+    0.32 form). Any other speculative setting is refused: the target drafts for itself, B from config.mars."""
+    nested = spec.get(OPTIONS_KEY) or {}
+    if not isinstance(nested, dict):
+        raise ValueError(f"speculative method 'mars': {OPTIONS_KEY} must be a dict, got {nested!r}.")
+    other = sorted(k for k in spec if k not in ("method", OPTIONS_KEY) + OPTIONS)
     if other:
         raise ValueError(f"speculative method 'mars' cannot be combined with other speculative settings {other}: "
-                         f"the target model drafts for itself (B from config.mars, or {list(OPTIONS)}).")
+                         f"the target model drafts for itself (B from config.mars, or {OPTIONS_KEY} "
+                         f"{list(OPTIONS)}).")
+    unknown = sorted(set(nested) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"speculative method 'mars': unknown {OPTIONS_KEY} {unknown}; MARS takes only "
+                         f"{list(OPTIONS)}.")
+    flat = {k: spec[k] for k in OPTIONS if k in spec}
+    twice = sorted(set(flat) & set(nested))
+    if twice:
+        raise ValueError(f"speculative method 'mars': {twice} given both flat and in {OPTIONS_KEY}.")
+    return {**flat, **nested}
+
+
+def mars_settings(options: dict, hf_config) -> dict:
+    """What MARS sets in vLLM's speculative config, on every vLLM: ``num_speculative_tokens`` = 2B, and under
+    ``batch_ladder`` vLLM's dynamic schedule ``num_speculative_tokens_per_batch_size`` (2B per rung)."""
     _, trained = checkpoint_facts(hf_config)
-    block = _check_block_size(spec.get("block_size", trained))
+    block = _check_block_size(options.get("block_size", trained))
     if block > trained:
         raise ValueError(f"MARS block_size={block} is larger than the trained block size {trained}: masks beyond "
                          "the trained distance predict poorly.")
-    out = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": 2 * block}
-    if "batch_ladder" in spec:
-        rungs = parse_batch_ladder(spec["batch_ladder"])
+    out = {"num_speculative_tokens": 2 * block}
+    if "batch_ladder" in options:
+        rungs = parse_batch_ladder(options["batch_ladder"])
         if max(b for _, b in rungs) > block:
             raise ValueError(f"batch_ladder: a block size above block_size={block} (the trained or given one).")
         ends = [start - 1 for start, _ in rungs[1:]] + [1 << 20]
         out["num_speculative_tokens_per_batch_size"] = [(s, e, 2 * b) for (s, b), e in zip(rungs, ends)]
     return out
+
+
+def to_vllm(spec: dict, hf_config) -> dict:
+    """``{"method": "mars"[, options]}`` -> the vLLM 0.32-0.33 ``custom_class`` setting that runs it."""
+    return {"method": "custom_class", "model": PROPOSER, **mars_settings(user_options(spec), hf_config)}
+
+
+def check_tokenizer(model_config) -> None:
+    """``check_mask_token`` on the tokenizer vLLM will load; one that cannot be read here is left to vLLM's own
+    loading (which reports it better)."""
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer,
+                                                  trust_remote_code=model_config.trust_remote_code)
+    except Exception:  # noqa: BLE001 - vLLM reports an unreadable tokenizer itself
+        return
+    check_mask_token(tokenizer, model_config.hf_config)

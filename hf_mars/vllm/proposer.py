@@ -2,7 +2,7 @@
 
 Each step a running request is fed ``[last token | pending drafts | B mask tokens]``. vLLM schedules the drafts
 and the masks together as its speculative tokens (``num_speculative_tokens = 2B``), so its own rejection sampler
-verifies the drafts, and always stops at the first mask: the mask token's logit is -inf (``load_model``), so
+verifies the drafts, and always stops at the first mask: the mask token's logit is -inf (``forbid_mask``), so
 the target never predicts it, and the target's own token there is vLLM's usual bonus token. vLLM's bookkeeping
 then rolls the KV of every rejected draft and of the masks back, as for any rejected speculative token.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from .drafts import forbid_mask, mask_span, proposal
 from .options import checkpoint_facts
 
 MISSING_PATCH = ("hf_mars.vllm: the MARS proposer was called through vLLM's plain custom_class interface, which "
@@ -40,18 +41,9 @@ class MarsProposer:
         self.model = None
 
     def load_model(self, target_model) -> None:
-        """Keep the target (its LM head drafts) and make it never predict the mask token, in every logits it
-        computes: verification then always rejects at the first mask, and no request can emit one."""
+        """Keep the target (its LM head drafts) and make it never predict the mask token (``forbid_mask``)."""
         self.model = target_model
-        compute_logits, mask_id = target_model.compute_logits, self.mask_id
-
-        def without_mask(hidden_states, *args, **kwargs):
-            logits = compute_logits(hidden_states, *args, **kwargs)
-            if logits is not None:
-                logits[..., mask_id] = float("-inf")
-            return logits
-
-        target_model.compute_logits = without_mask
+        forbid_mask(target_model, self.mask_id)
 
     def propose(self, *args, **kwargs):
         raise RuntimeError(MISSING_PATCH)
@@ -63,7 +55,7 @@ class MarsProposer:
 
         ``sample_hidden_states`` holds, per request, one row per scheduled speculative token plus one (vLLM's
         logits rows); ``spec_decode_metadata`` says how many and which tokens were scheduled (None when none
-        were). The masks are the scheduled tokens equal to the mask id (a draft never is: its logit is -inf).
+        were). ``drafts.py`` says which masks to read and what to propose.
         ``num_spec_tokens``: what vLLM's scheduler allows next step (2B, or less under ``batch_ladder``)."""
         block = self.block if num_spec_tokens is None else min(self.block, num_spec_tokens // 2)
         counts = [0] * len(sampled_token_ids)
@@ -73,11 +65,10 @@ class MarsProposer:
             scheduled = spec_decode_metadata.draft_token_ids.tolist()
         rows, owners, offset, start = [], [], 0, 0
         for i, (n, sampled) in enumerate(zip(counts, sampled_token_ids)):
-            mine = scheduled[start:start + n]
-            real = mine.index(self.mask_id) if self.mask_id in mine else n
-            if block and sampled and real < n and len(sampled) == real + 1:  # all drafts accepted, bonus at 1st mask
-                rows.extend(range(offset + real + 1, offset + n + 1))
-                owners.append((i, n - real))
+            first, count = mask_span(scheduled[start:start + n], len(sampled), self.mask_id, block)
+            if count:  # row 0 of a request is its last token, row j + 1 its j-th scheduled token
+                rows.extend(range(offset + first + 1, offset + first + count + 1))
+                owners.append((i, count))
             offset, start = offset + n + 1, start + n
         drafts = {}
         if rows:
@@ -91,7 +82,6 @@ class MarsProposer:
             if not sampled or not block:  # a prefill chunk, a discarded row, or a plain step (batch_ladder)
                 out.append([])
                 continue
-            proposal = drafts.get(i, [])[:block] + [self.mask_id] * block
             room = max(self.max_model_len - int(num_tokens_no_spec[i]) - 1, 0)
-            out.append(proposal[:room])
+            out.append(proposal(drafts.get(i, []), self.mask_id, block)[:room])
         return out

@@ -1,0 +1,51 @@
+"""MARS's draft bookkeeping inside vLLM, in plain Python: one rule for both vLLM paths.
+
+Each step a request's speculative tokens are ``[pending drafts | masks]``; ``forbid_mask`` puts -inf on the mask
+token's logit, so verification always stops at the first mask. After the forward:
+
+- ``mask_span``: which mask positions' hidden states give the next drafts. The first mask sits right after the
+  drafts; the masks predict what follows those drafts, so they are used only when every draft was accepted (the
+  target then emitted all of them plus its own token at the first mask).
+- ``proposal``: the next step's speculative tokens, ``[new drafts | masks]``.
+
+``proposer.py`` (vLLM 0.32-0.33, ``custom_class``) and ``speculator_gpu.py`` (vLLM >= 0.34, a registered method)
+differ only in how they find the scheduled tokens and the hidden states, and in the width of a proposal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def mask_span(scheduled: Sequence[int], num_sampled: int, mask_id: int, block: int) -> tuple[int, int]:
+    """``(first, count)``: read the hidden states of ``scheduled[first:first + count]``, the masks whose argmax are
+    the next drafts; ``count`` is 0 when there are none to read.
+
+    ``scheduled``: the request's speculative tokens this step, in order; ``num_sampled``: the tokens it emitted
+    (accepted drafts + the target's own token; 0 for a prefill chunk); ``block``: how many drafts are wanted."""
+    first = next((j for j, token in enumerate(scheduled) if token == mask_id), len(scheduled))
+    if block <= 0 or first == len(scheduled) or num_sampled != first + 1:
+        return first, 0
+    return first, min(block, len(scheduled) - first)
+
+
+def proposal(drafts: Sequence[int], mask_id: int, block: int, width: int | None = None) -> list[int]:
+    """``[at most block drafts | masks]``: ``block`` masks (vLLM 0.32, whose proposals may be shorter), or as many
+    as fill ``width`` (vLLM 0.34, where every request drafts the same number of tokens)."""
+    head = list(drafts[:block])
+    return head + [mask_id] * (block if width is None else width - len(head))
+
+
+def forbid_mask(model, mask_id: int) -> None:
+    """Make ``model.compute_logits`` (every logits vLLM computes with it: verification, sampling, logprobs, our
+    drafts) put -inf on the mask token. Verification then always rejects at the first mask, whose row carries
+    the target's own token, a draft's argmax is never the mask, and no request can emit it."""
+    compute_logits = model.compute_logits
+
+    def without_mask(hidden_states, *args, **kwargs):
+        logits = compute_logits(hidden_states, *args, **kwargs)
+        if logits is not None:  # None on the ranks that do not gather the logits
+            logits[..., mask_id] = float("-inf")
+        return logits
+
+    model.compute_logits = without_mask
