@@ -26,7 +26,7 @@ from pathlib import Path
 
 THRESHOLDS = (1.0, 0.99, 0.95, 0.9, 0.8)
 # (full run, --quick): the real-model run's own sizes, where the tiny demo's do not fit a 268M model on a CPU
-SIZES = {"steps": (150, 3), "batch_size": (8, 4), "num_eval": (16, 3), "timing_prompts": (8, 2),
+SIZES = {"steps": (80, 3), "batch_size": (8, 4), "num_eval": (12, 3), "timing_prompts": (6, 2),
          "timing_repeats": (1, 1), "max_new_tokens": (48, 16), "learning_rate": (5e-5, 5e-5)}
 
 
@@ -68,10 +68,11 @@ def run(args, base: Path, out: Path) -> int:
     quality = _quality(base_model, mars_model, sft_model, tokenizer, data, args)
     del sft_model
     _log("3/5 perplexity " + ", ".join(f"{k} {v:.2f}" for k, v in quality["perplexity"].items()))
-    decoding = _decoding(mars_model, tokenizer, data["held_prompts"], args)
+    decoding = _decoding(mars_model, tokenizer, data["held_prompts"], args, data["draft_vocab"])
     _log("4/5 decoding: " + ", ".join(f"{k} {v['tokens_per_forward']:.2f} tok/fwd" for k, v in decoding.items()))
-    timing = _timing(mars_model, tokenizer, data["held_prompts"][:args.timing_prompts], args)
-    report = _report(args, base, quality, decoding, timing, data, mars_s, sft_s)
+    timing = _timing(mars_model, tokenizer, data["held_prompts"][:args.timing_prompts], args, data["draft_vocab"])
+    costs = step_costs(mars_model)
+    report = _report(args, base, quality, decoding, timing, data, costs, mars_s, sft_s)
     _log("5/5 writing outputs")
     ckpt = _write(report, out, mars_model, tokenizer, data["held_prompts"][0])
     report["wall_seconds"] = round(time.time() - t_start, 1)
@@ -107,7 +108,24 @@ def _data(base_model, tokenizer, args) -> dict:
     pairs = real_text.distill(base_model, tokenizer, prompts, args.max_new_tokens, batch_size=16)
     held_prompts = [real_text.opening(text) for text in held[:args.num_eval]]
     return {"train": pairs, "seconds": time.time() - t0, "held_prompts": held_prompts,
-            "held_text": held[:max(args.num_eval, 8)]}
+            "held_text": held[:max(args.num_eval, 8)], "draft_vocab": _draft_vocab(pairs)}
+
+
+def _draft_vocab(pairs, coverage: float = 0.99) -> list[int]:
+    """The draft vocabulary for verify's mask columns: the most frequent tokens of the distilled answers (what the
+    masks learn to predict), as many as cover ``coverage`` of those answers' tokens."""
+    from collections import Counter
+
+    from hf_mars.generation.draft_vocab import rank_tokens
+
+    ranked = rank_tokens([completion for _, completion in pairs])
+    counts = Counter(t for _, completion in pairs for t in completion)
+    total, seen = sum(counts.values()), 0
+    for size, token in enumerate(ranked, 1):
+        seen += counts[token]
+        if seen >= coverage * total:
+            return ranked[:size]
+    return ranked
 
 
 def _train(base, tokenizer, pairs, args, work: Path, mars: bool):
@@ -181,68 +199,135 @@ def _quality(base_model, mars_model, sft_model, tokenizer, data, args) -> dict:
            (("base", base_model), ("mars", mars_model), ("sft", sft_model))}
     base_ids, _ = _greedy_ids(base_model, tokenizer, data["held_prompts"], args.max_new_tokens)
     mars_ids, _ = _greedy_ids(mars_model, tokenizer, data["held_prompts"], args.max_new_tokens)
-    return {"perplexity": ppl, "perplexity_texts": len(texts),
+    def coverage(vocab):  # share of the held-out greedy tokens a draft vocabulary holds
+        listed = set(vocab)
+        return sum(t in listed for ids in mars_ids for t in ids) / max(sum(map(len, mars_ids)), 1)
+
+    return {"perplexity": ppl, "perplexity_texts": len(texts), "coverage": coverage,
             "greedy_agreement_mars_vs_base": agreement(mars_ids, base_ids), "greedy": mars_ids}
 
 
-def _modes(args) -> dict:
+def _modes(args, draft_vocab, thresholds=THRESHOLDS) -> dict:
+    """The decoding settings compared: each τ, and verify as a chain or a tree, each with and without the draft
+    vocabulary (``+vocab``)."""
     from hf_mars.demo.evaluate import _mars_kwargs
 
-    modes = {f"tau={tau:g}": _mars_kwargs(tau, args.block_size) for tau in THRESHOLDS}
-    modes["verify:chain"] = {**_mars_kwargs(args.verify_threshold, args.block_size, verify=True),
-                             "mars_draft_tree": "chain"}
-    modes["verify:tree"] = _mars_kwargs(args.verify_threshold, args.block_size, verify=True)
+    modes = {f"tau={tau:g}": _mars_kwargs(tau, args.block_size) for tau in thresholds}
+    verify = _mars_kwargs(args.verify_threshold, args.block_size, verify=True)
+    for tree in ("chain", "tree"):
+        shape = {"mars_draft_tree": "chain"} if tree == "chain" else {}
+        modes[f"verify:{tree}"] = {**verify, **shape}
+        modes[f"verify:{tree}+vocab"] = {**verify, **shape, "mars_draft_vocab": draft_vocab}
     return modes
 
 
-def _decoding(model, tokenizer, prompts, args) -> dict:
+def _decoding(model, tokenizer, prompts, args, draft_vocab) -> dict:
     """Per mode: tokens per forward, share of tokens identical to plain greedy, and whether every answer is."""
     greedy, _ = _greedy_ids(model, tokenizer, prompts, args.max_new_tokens)
     out = {}
-    for name, kwargs in _modes(args).items():
+    for name, kwargs in _modes(args, draft_vocab).items():
         ids, tpf = _greedy_ids(model, tokenizer, prompts, args.max_new_tokens, **kwargs)
         out[name] = {"tokens_per_forward": tpf, "agreement_with_greedy": agreement(ids, greedy),
                      "identical_to_greedy": ids == greedy}
     return out
 
 
-def _timing(model, tokenizer, prompts, args) -> dict:
-    """Seconds per setting at batch 1 and 4, interleaved (``time_interleaved``), float32."""
+def _timing(model, tokenizer, prompts, args, draft_vocab) -> dict:
+    """Seconds per setting, interleaved (``time_interleaved``): float32 at batch 1 and 4 (plain generate, each
+    mode), and bfloat16 at batch 1 (plain generate and verify), on a bf16 copy of the model."""
+    import copy
+
+    import torch
+
     from hf_mars.demo.evaluate import _encode_batches
     from hf_mars.demo.timing import time_interleaved
 
-    runs = {"ar": {}, **_modes(args)}
     seconds = {}
     for bs in (1, 4):
+        runs = {"ar": {}, **_modes(args, draft_vocab, THRESHOLDS if bs == 1 else (0.9,))}
         batches = _encode_batches(tokenizer, prompts, bs)
-        seconds[bs] = time_interleaved(model, batches, runs, args.timing_repeats, max_new_tokens=args.max_new_tokens)
+        seconds[str(bs)] = time_interleaved(model, batches, runs, args.timing_repeats,
+                                            max_new_tokens=args.max_new_tokens)
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    runs = {"ar": {}, **{k: v for k, v in _modes(args, draft_vocab, ()).items()}}
+    seconds["1-bf16"] = time_interleaved(half, _encode_batches(tokenizer, prompts, 1), runs, args.timing_repeats,
+                                         max_new_tokens=args.max_new_tokens)
+    del half
     return seconds
 
 
-def _report(args, base, quality, decoding, timing, data, mars_s, sft_s) -> dict:
+def step_costs(model, widths=(1, 5, 9, 17), past_len: int = 32, repeats: int = 6) -> dict:
+    """This model's cached decode step on this machine, batch 1, split into body (the decoder layers over ``w`` new
+    positions after ``past_len`` cached ones) and LM head (full-vocabulary logits at all ``w``): seconds, fastest
+    of ``repeats``, and each width's total over width 1's."""
+    import torch
+    from transformers import DynamicCache
+
+    from hf_mars.demo.timing import _takes
+
+    body, head = model.get_decoder(), model.get_output_embeddings()
+    ids = torch.randint(3, 1000, (1, past_len + max(widths)), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache(config=model.config) if _takes(DynamicCache.__init__, "config") else DynamicCache()
+    cache_kw = "cache" if _takes(body.forward, "cache") else "past_key_values"
+    out = {}
+    with torch.inference_mode():
+        body(input_ids=ids[:, :past_len], use_cache=True, **{cache_kw: cache})
+        for w in widths:
+            best_body = best_head = float("inf")
+            pos = torch.arange(past_len, past_len + w)[None]
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                hidden = body(input_ids=ids[:, past_len:past_len + w], position_ids=pos, use_cache=True,
+                              **{cache_kw: cache}).last_hidden_state
+                t1 = time.perf_counter()
+                head(hidden).float().argmax(-1)
+                t2 = time.perf_counter()
+                cache.crop(-w)
+                best_body, best_head = min(best_body, t1 - t0), min(best_head, t2 - t1)
+            out[w] = {"body_s": best_body, "head_s": best_head}
+    one = out[widths[0]]["body_s"] + out[widths[0]]["head_s"]
+    for w in widths:
+        out[w]["total_over_width_1"] = (out[w]["body_s"] + out[w]["head_s"]) / one
+    return {str(w): {k: round(v, 5) for k, v in c.items()} for w, c in out.items()}
+
+
+VERIFY_MODES = ("chain", "tree", "chain+vocab", "tree+vocab")
+
+
+def _report(args, base, quality, decoding, timing, data, costs, mars_s, sft_s) -> dict:
     import torch
 
     def speedup(bs, name):
         return timing[bs]["ar"] / timing[bs][name]
 
+    fastest_plain = min(("float32", timing["1"]["ar"]), ("bfloat16", timing["1-bf16"]["ar"]), key=lambda x: x[1])
     rows = [{"threshold": tau, "accuracy": decoding[f"tau={tau:g}"]["agreement_with_greedy"],
              "tokens_per_forward": decoding[f"tau={tau:g}"]["tokens_per_forward"],
              "identical_to_greedy": decoding[f"tau={tau:g}"]["identical_to_greedy"],
-             "speedup_vs_ar": speedup(1, f"tau={tau:g}")} for tau in THRESHOLDS]
-    verify = {tree: {"accuracy": decoding[f"verify:{tree}"]["agreement_with_greedy"],
-                     "tokens_per_forward": decoding[f"verify:{tree}"]["tokens_per_forward"],
-                     "identical_to_greedy": decoding[f"verify:{tree}"]["identical_to_greedy"],
-                     "speedup_vs_ar": speedup(1, f"verify:{tree}"),
-                     "speedup_vs_ar_batch_4": speedup(4, f"verify:{tree}")} for tree in ("chain", "tree")}
-    ppl = quality["perplexity"]
+             "speedup_vs_ar": speedup("1", f"tau={tau:g}")} for tau in THRESHOLDS]
+    verify = {}
+    for mode in VERIFY_MODES:
+        name, measured = f"verify:{mode}", decoding[f"verify:{mode}"]
+        best = min(timing["1"][name], timing["1-bf16"][name])
+        verify[mode] = {"accuracy": measured["agreement_with_greedy"], "tokens_per_forward": measured["tokens_per_forward"],
+                        "identical_to_greedy": measured["identical_to_greedy"], "speedup_vs_ar": speedup("1", name),
+                        "speedup_vs_ar_batch_4": speedup("4", name), "speedup_vs_ar_bf16": speedup("1-bf16", name),
+                        "speedup_vs_fastest_plain": fastest_plain[1] / best}
+    default = max(verify, key=lambda m: verify[m]["speedup_vs_ar"])
+    ppl, vocab = quality["perplexity"], data["draft_vocab"]
     return {
         "block_size": args.block_size, "quick": bool(args.quick),
         "perplexity": ppl, "perplexity_texts": quality["perplexity_texts"],
         "perplexity_mars_vs_sft": ppl["mars"] / ppl["sft"] - 1.0,
         "greedy_agreement_mars_vs_base": quality["greedy_agreement_mars_vs_base"],
-        "mars": rows, "verify": {**verify["tree"], "threshold": args.verify_threshold}, "verify_chain": verify["chain"],
-        "timing": {"prompts": args.timing_prompts, "repeats": args.timing_repeats, "dtype": "float32",
-                   "seconds": {str(bs): {k: round(v, 4) for k, v in t.items()} for bs, t in timing.items()},
+        "mars": rows, "verify": {**verify[default], "mode": default, "threshold": args.verify_threshold},
+        "verify_modes": verify,
+        "draft_vocab": {"size": len(vocab), "coverage_of_training_answers": 0.99,
+                        "coverage_of_held_out_greedy": quality["coverage"](vocab)},
+        "fastest_plain_batch_1": fastest_plain[0],
+        "step_costs": costs,
+        "timing": {"prompts": args.timing_prompts, "repeats": args.timing_repeats,
+                   "seconds": {bs: {k: round(v, 4) for k, v in t.items()} for bs, t in timing.items()},
                    "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
                    "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
         "training": {"steps": args.steps, "batch_size": args.batch_size, "learning_rate": args.learning_rate,
@@ -266,9 +351,9 @@ def summary(report) -> str:
     for r in report["mars"]:
         lines.append(f"| τ = {r['threshold']:g} | {r['tokens_per_forward']:.2f} | {100 * r['accuracy']:.1f}% | "
                      f"{r['speedup_vs_ar']:.2f}× |")
-    for name, v in (("verify (chain)", report["verify_chain"]), ("verify (tree)", report["verify"])):
-        lines.append(f"| {name} | {v['tokens_per_forward']:.2f} | {100 * v['accuracy']:.1f}% | "
-                     f"{v['speedup_vs_ar']:.2f}× |")
+    for name, v in report["verify_modes"].items():
+        lines.append(f"| verify ({name}) | {v['tokens_per_forward']:.2f} | {100 * v['accuracy']:.1f}% | "
+                     f"{v['speedup_vs_ar']:.2f}× (vs the fastest plain path: {v['speedup_vs_fastest_plain']:.2f}×) |")
     p = report["perplexity"]
     lines.append(f"\nheld-out perplexity: base {p['base']:.2f}, MARS {p['mars']:.2f}, SFT {p['sft']:.2f}")
     return "\n".join(lines)
@@ -302,8 +387,9 @@ def _plot(report, path) -> None:
     for r in rows:
         ax.annotate(f"{r['threshold']:g}", (r["tokens_per_forward"], 100 * r["accuracy"]),
                     textcoords="offset points", xytext=(4, 5), fontsize=8)
-    for name, v, marker in (("verify, chain", report["verify_chain"], "s"), ("verify, tree", report["verify"], "*")):
-        ax.plot([v["tokens_per_forward"]], [100 * v["accuracy"]], marker, markersize=11, label=name + " (lossless)")
+    for (name, v), marker in zip(report["verify_modes"].items(), "s*DP"):
+        ax.plot([v["tokens_per_forward"]], [100 * v["accuracy"]], marker, markersize=10,
+                label=f"verify, {name} (lossless)")
     ax.set_xlabel("tokens per forward pass")
     ax.set_ylabel("tokens identical to greedy (%)")
     ax.set_title(f"hf-mars demo --base {report['command'].split()[3]}, B = {report['block_size']}")
