@@ -238,8 +238,10 @@ def _decoding(model, tokenizer, prompts, args, draft_vocab) -> dict:
 def _timing(model, tokenizer, prompts, args, draft_vocab) -> dict:
     """Seconds per setting, interleaved (``time_interleaved``): float32 at batch 1 and 4 (plain generate, each
     mode), and bfloat16 at batch 1 (plain generate and verify), on a bf16 copy of the model."""
-    from hf_mars.demo.evaluate import _encode_batches
     from hf_mars.demo.timing import time_interleaved
+
+    def _encode_batches(tokenizer, prompts, size):  # with the tokenizer's BOS, as the decoding runs encode them
+        return [tokenizer(prompts[i:i + size], return_tensors="pt", padding=True) for i in range(0, len(prompts), size)]
 
     seconds = {}
     for bs in (1, 4):
