@@ -92,9 +92,17 @@ def pareto_plot(report, path) -> None:
             label="MARS verify (lossless)")
     ax.axhline(100 * report["ar_sft"]["accuracy"], color="tab:red", linestyle="--",
                label="AR-SFT baseline (compute-matched)")
+    finish_plot(fig, ax, "exact-match accuracy, held-out split (%)",
+                f"hf-mars demo: tiny Qwen2, B = {report['block_size']}", path)
+
+
+def finish_plot(fig, ax, ylabel: str, title: str, path) -> None:
+    """The demos' accuracy-against-tokens-per-forward plots: axes, grid, legend, written to ``path`` and closed."""
+    import matplotlib.pyplot as plt
+
     ax.set_xlabel("tokens per forward pass")
-    ax.set_ylabel("exact-match accuracy, held-out split (%)")
-    ax.set_title(f"hf-mars demo: tiny Qwen2, B = {report['block_size']}")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()

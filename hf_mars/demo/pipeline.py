@@ -175,18 +175,7 @@ def run(args) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     base = _base_folder(args.base)
     if not has_chat_template(base):  # a pretrained base: real text, self-distilled (hf_mars/demo/real.py)
-        from hf_mars.demo import real
-
-        real.resolve_sizes(args)
-        _resolve(args)
-        if args.threads:
-            import torch
-
-            torch.set_num_threads(args.threads)
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        return real.run(args, base, _prepare_output_dir(Path(args.output_dir)))
+        return _run_real(args, base)
     _resolve(args)
     t_start = time.time()
     import shutil
@@ -243,6 +232,21 @@ def run(args) -> int:
     _log(f"wrote {out / 'report.json'}, {out / 'per_task.md'}, {out / 'pareto.png'} and {ckpt}/ "
          f"in {report['wall_seconds']:.0f}s")
     return 0
+
+
+def _run_real(args, base: Path) -> int:
+    """`hf_mars.demo.real`'s pipeline, with this command's checks, threads and quiet logging."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from hf_mars.demo import real
+
+    real.resolve_sizes(args)
+    _resolve(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    hf_logging.set_verbosity_error()
+    return real.run(args, base, _prepare_output_dir(Path(args.output_dir)))
 
 
 def _evaluate(mars_model, tokenizer, ar_model, ar_tokenizer, eval_examples, args) -> dict:

@@ -406,11 +406,7 @@ def _plot(report, path) -> None:
     for (name, v), marker in zip(report["verify_modes"].items(), "s*DP"):
         ax.plot([v["tokens_per_forward"]], [100 * v["accuracy"]], marker, markersize=10,
                 label=f"verify, {name} (lossless)")
-    ax.set_xlabel("tokens per forward pass")
-    ax.set_ylabel("tokens identical to greedy (%)")
-    ax.set_title(f"hf-mars demo --base {report['command'].split()[3]}, B = {report['block_size']}")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    from hf_mars.demo.outputs import finish_plot
+
+    finish_plot(fig, ax, "tokens identical to greedy (%)",
+                f"hf-mars demo --base {report['command'].split()[3]}, B = {report['block_size']}", path)

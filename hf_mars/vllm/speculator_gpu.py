@@ -51,7 +51,10 @@ class MarsSpeculator(DraftModelSpeculator):
         forbid_mask(target_model, self.mask_id)
 
     def load_draft_model(self, target_model, target_attn_layer_names):
-        raise NotImplementedError("MARS loads no draft model (load_model keeps the target).")
+        # MARS's load_model replaces this on the vLLM it was written for: a call means vLLM's speculator API moved
+        raise RuntimeError("hf_mars: vLLM asked the MARS speculator to load a draft model, which MARS does not have "
+                           "(the target drafts for itself): this vLLM's speculator API differs from 0.34.0's. Run "
+                           "without speculative_config, or use vLLM 0.32 (pip install -e '.[vllm]').")
 
     def set_attn(self, *args, **kwargs) -> None:
         return None  # no attention of its own: the masks ran in the target's forward
