@@ -79,10 +79,11 @@ def test_translation_to_vllm_and_refusals():
         options.to_vllm({"method": "mars"}, _config(mars={"mask_token_id": 2}))
     with pytest.raises(ValueError, match="vocabulary"):
         options.to_vllm({"method": "mars"}, _config(mars={"mask_token_id": 100}))
-    with pytest.raises(ValueError, match="full-attention"):
-        options.to_vllm({"method": "mars"}, _config(layer_types=["full_attention", "sliding_attention"]))
-    with pytest.raises(ValueError, match="full-attention"):
-        options.to_vllm({"method": "mars"}, _config(use_sliding_window=True, sliding_window=16))
+    with pytest.raises(ValueError, match="full-attention and sliding-window decoders only.*linear_attention"):
+        options.to_vllm({"method": "mars"}, _config(layer_types=["full_attention", "linear_attention"]))
+    # sliding windows are served (vLLM's window, like training's, counts positions): Gemma 2/3, Mistral
+    assert options.to_vllm({"method": "mars"}, _config(layer_types=["sliding_attention", "full_attention"]))
+    assert options.to_vllm({"method": "mars"}, _config(use_sliding_window=True, sliding_window=16))
 
 
 def test_mask_token_must_be_the_checkpoints_own(mars_tokenizer):
@@ -387,3 +388,72 @@ def test_lossless_with_a_batch_ladder(engines, checkpoint):
     laddered = _llm(checkpoint, speculative_config(batch_ladder="1:4,4:2,12:0"))
     assert _tokens(laddered, prompts) == _tokens(plain, prompts)
     del laddered
+
+
+# ------------------------------------------------------------------ sliding-window layers (Gemma 3)
+
+WINDOW = 8
+LETTERS = "abcdefghijklmnop"
+
+
+def _periodic(rng, n):
+    unit = "".join(rng.sample(LETTERS, rng.randrange(3, 6)))
+    return (unit * 40)[:n]
+
+
+@pytest.fixture(scope="module")
+def gemma3_checkpoint(tmp_path_factory):
+    """A tiny Gemma 3 (a sliding-window layer of 8 positions, then a full one) MARS-trained for a few steps on
+    periodic strings, so its masks are right often enough that accepted drafts cross the window."""
+    import random
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    from hf_mars import MARSConfig, MARSTrainer, add_mask_token
+    from hf_mars.demo.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=32,  # vLLM CPU: no head_dim 16
+                              max_position_embeddings=256, sliding_window=WINDOW,
+                              layer_types=["sliding_attention", "full_attention"], pad_token_id=tok.pad_token_id,
+                              eos_token_id=tok.eos_token_id, bos_token_id=None, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config)
+    add_mask_token(model, tok)
+    rng = random.Random(0)
+    data = Dataset.from_list([{"text": _periodic(rng, 48)} for _ in range(256)])
+    path = tmp_path_factory.mktemp("mars-gemma3")
+    args = MARSConfig(output_dir=str(path / "out"), per_device_train_batch_size=16, max_steps=80, learning_rate=3e-3,
+                      report_to=[], save_strategy="no", seed=0, block_size=BLOCK, dataloader_num_workers=0)
+    MARSTrainer(model, args=args, train_dataset=data, processing_class=tok).train()
+    model.config.mars = {**model.config.mars, "mask_token": "<|mask|>"}
+    model.eval().save_pretrained(path)
+    tok.save_pretrained(path)
+    return path, model, tok
+
+
+@needs_vllm
+def test_sliding_window_layers_lossless_past_the_window(gemma3_checkpoint):
+    """Gemma 3's sliding-window layers are served: vLLM's window and training's both count positions back from
+    the query. Prompts of 10-40 tokens and 48 new ones run far past the 8-position window; MARS equals plain vLLM
+    greedy, which equals transformers' greedy (the window applied the same way), with drafts accepted."""
+    import random
+
+    import torch
+
+    path, model, tok = gemma3_checkpoint
+    rng = random.Random(1)
+    prompts = [{"prompt_token_ids": tok(_periodic(rng, rng.randrange(10, 40)))["input_ids"]} for _ in range(16)]
+    plain = _llm(path, None)
+    expected = _tokens(plain, prompts)
+    del plain
+    mars = _llm(path, speculative_config())
+    assert _tokens(mars, prompts) == expected
+    assert _counters(mars)["vllm:spec_decode_num_accepted_tokens"] > 0  # drafts were accepted, past the window
+    for prompt, tokens in zip(prompts[:3], expected):
+        ids = torch.tensor([prompt["prompt_token_ids"]])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False)
+        assert out[0, ids.shape[1]:].tolist() == tokens

@@ -61,6 +61,9 @@ def parse_batch_ladder(spec) -> list[tuple[int, int]]:
     return rungs
 
 
+SERVED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
 def is_mars(spec) -> bool:
     return isinstance(spec, dict) and spec.get("method") == METHOD
 
@@ -75,8 +78,7 @@ def checkpoint_facts(hf_config) -> tuple[int, int]:
     """(mask token id, trained block size) from ``config.mars``, refusing what MARS-in-vLLM cannot serve exactly.
 
     Refused: no ``config.mars`` (a plain checkpoint: its masks predict nothing), a mask id outside the vocabulary
-    or equal to EOS/pad, and attention other than full causal everywhere (a sliding window would see different
-    context at the mask positions than training did)."""
+    or equal to EOS/pad, and layers other than full or sliding-window attention."""
     meta = getattr(hf_config, "mars", None)
     if not isinstance(meta, dict) or meta.get("mask_token_id") is None:
         raise ValueError(
@@ -98,12 +100,15 @@ def checkpoint_facts(hf_config) -> tuple[int, int]:
 
 
 def _check_layers(hf_config) -> None:
+    """Full attention and sliding-window attention are served; anything else (linear attention, chunked
+    attention, state-space layers) is refused. A sliding window is exact here: vLLM's window, like training's
+    (``hf_mars.masking``), counts positions back from the query, and the masks' positions follow the drafts', so
+    a mask sees the context it saw in training; verification is the target's own forward either way."""
     layer_types = getattr(hf_config, "layer_types", None) or []
-    other = sorted(set(layer_types) - {"full_attention"})
-    sliding = getattr(hf_config, "use_sliding_window", False) and getattr(hf_config, "sliding_window", None)
-    if other or sliding:
-        raise ValueError(f"speculative method 'mars' supports full-attention decoders only; this model has "
-                         f"{other or ['sliding_window=' + str(hf_config.sliding_window)]} layers.")
+    other = sorted(set(layer_types) - SERVED_LAYER_TYPES)
+    if other:
+        raise ValueError(f"speculative method 'mars' supports full-attention and sliding-window decoders only; "
+                         f"this model has {other} layers.")
 
 
 def check_mask_token(tokenizer, hf_config) -> None:
