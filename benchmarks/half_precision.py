@@ -21,7 +21,7 @@ from architectures import ARCHITECTURES, build  # noqa: E402
 from hf_mars import enable_mars  # noqa: E402
 from hf_mars.demo.data import generate_examples  # noqa: E402
 from hf_mars.demo.tiny import build_char_tokenizer  # noqa: E402
-from hf_mars.tokens import set_mars_metadata  # noqa: E402
+from hf_mars.training.tokens import set_mars_metadata  # noqa: E402
 
 
 def main():

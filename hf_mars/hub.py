@@ -377,7 +377,7 @@ def save_for_hub(model, tokenizer, save_directory, training_args=None, force: bo
     description, benchmark (report dict or report.json path), example_prompt,
     mars_threshold, mars_block_size.
     """
-    from hf_mars.tokens import get_mars_metadata
+    from hf_mars.training.tokens import get_mars_metadata
 
     mars = get_mars_metadata(model.config)
     if not mars or not isinstance(mars.get("mask_token_id"), int):

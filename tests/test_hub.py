@@ -18,7 +18,7 @@ import torch
 
 from hf_mars import add_mask_token, hub, save_for_hub
 from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
-from hf_mars.tokens import set_mars_metadata
+from hf_mars.training.tokens import set_mars_metadata
 
 REPO_ID = "mars-org/tiny-mars"
 BLOCK = 4
