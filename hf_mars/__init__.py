@@ -27,8 +27,8 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
-_SUBMODULES = frozenset({"bench", "cli", "collator", "config", "demo", "generation", "hub", "masking", "model_card",
-                         "serve", "testing_utils", "tokens", "trainer", "training", "vllm"})
+_SUBMODULES = frozenset({"bench", "cli", "collator", "config", "custom_generate", "demo", "generation", "hub",
+                         "masking", "model_card", "serve", "testing_utils", "tokens", "trainer", "training", "vllm"})
 
 
 def __getattr__(name):

@@ -13,7 +13,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from hf_mars import MARSConfig, MARSTrainer, enable_mars, save_for_hub
-from hf_mars.demo.tiny import build_char_tokenizer
+from hf_mars.testing_utils import build_char_tokenizer
 from hf_mars.training.masking import build_model_mars_mask, build_noisy_input_ids
 from hf_mars.training.tokens import set_mars_metadata
 

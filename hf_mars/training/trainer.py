@@ -17,8 +17,6 @@ from trl import SFTTrainer
 
 from .._compat import (
     attn_implementation,
-    load_balancing_loss,
-    router_logits_recorder,
     trl_count_train_tokens,
     trl_lm_collator,
     trl_load_model,
@@ -35,6 +33,7 @@ from .masking import (
     sequence_ids_from_positions,
     shift_labels_for_positions,
 )
+from .loss import RouterLogits, normalised_sums
 from .tokens import add_mask_token, set_mars_metadata
 
 __all__ = ["MARSConfig", "MARSDataCollator", "MARSTrainer"]
@@ -60,32 +59,6 @@ def _has_trainable_token(dataset) -> bool:
         if any(trainable({key: labels}) for labels in batch[key]):
             return True
     return False
-
-
-class _RouterLogits:
-    """Records a MoE model's router logits during one forward (the hooks transformers itself uses for
-    ``output_router_logits``), so the load-balancing loss can be computed on the clean stream alone."""
-
-    def __init__(self, model):
-        self.logits = []
-        target, index = router_logits_recorder(model) or (None, 0)
-        self.handles = [] if target is None else [
-            module.register_forward_hook(
-                lambda _m, _i, out: self.logits.append(out[index] if isinstance(out, (tuple, list)) else out))
-            for module in model.modules() if isinstance(module, target)]
-
-    def close(self):
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-
-    def clean_stream_loss(self, model, n, valid):
-        config = model.config.get_text_config()
-        loss_fn = load_balancing_loss(model)
-        b = valid.shape[0]
-        clean = tuple(logits.reshape(b, 2 * n, -1)[:, n:].reshape(b * n, -1) for logits in self.logits)
-        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-        return loss_fn(clean, experts, config.num_experts_per_tok, valid.long())
 
 
 def _as_mars_config(model, args) -> MARSConfig:
@@ -269,50 +242,15 @@ class MARSTrainer(SFTTrainer):
         """The MARS loss of one collated batch (see the module docstring and docs/method.md, section 1)."""
         mode = "train" if self.model.training else "eval"
         args = self.args
-        block_size = args.block_size
         input_ids = inputs["input_ids"]
-        b, n = input_ids.shape
+        n = input_ids.shape[1]
         position_ids, valid, seq, labels = self._batch_layout(inputs)
         targets = shift_labels_for_positions(labels, position_ids)  # target of the output at p
-        noisy_ids = build_noisy_input_ids(input_ids, labels, self.mask_token_id)
-
         unwrapped = self.accelerator.unwrap_model(model)
-        attn = attn_implementation(unwrapped.config)
-        emb_dtype = unwrapped.get_input_embeddings().weight.dtype
-        # one mask per attention layer type: sliding-window layers see the same rule inside their window
-        mask = build_model_mars_mask(unwrapped.config, position_ids, block_size, valid, attn, emb_dtype)
-        moe_aux = getattr(self, "aux_loss_enabled", False)  # SFTTrainer: MoE config with a router aux coefficient
-        router = _RouterLogits(unwrapped) if moe_aux else None
-        try:
-            outputs = model(
-                input_ids=torch.cat([noisy_ids, input_ids], dim=1),
-                attention_mask=mask,
-                position_ids=torch.cat([position_ids, position_ids], dim=1),
-                shift_labels=torch.cat([targets, targets], dim=1),
-                fused_lm_head=True,
-                use_cache=False,
-                # the model's own aux loss reads a 2D padding mask; MARS adds it below, on the clean stream
-                **({"output_router_logits": False} if moe_aux else {}),
-            )
-        finally:
-            if router is not None:
-                router.close()
+        outputs, router = self._mars_forward(model, unwrapped, input_ids, labels, position_ids, valid, targets)
         nll = -outputs.log_probs.float()  # zero where the target is ignored
-        nll_noisy, nll_clean = nll[:, :n], nll[:, n:]
-        is_target = targets != -100
-
-        if args.loss_normalization == "sequence":
-            gseq = (seq + torch.arange(b, device=seq.device)[:, None] * n).reshape(-1)
-            counts = torch.zeros(b * n, device=nll.device).index_add_(0, gseq, is_target.reshape(-1).float())
-            noisy_s = torch.zeros(b * n, device=nll.device, dtype=nll.dtype).index_add_(0, gseq, nll_noisy.reshape(-1))
-            clean_s = torch.zeros(b * n, device=nll.device, dtype=nll.dtype).index_add_(0, gseq, nll_clean.reshape(-1))
-            has = counts > 0
-            noisy_num = (noisy_s / counts.clamp(min=1)).masked_fill(~has, 0).sum()
-            clean_num = (clean_s / counts.clamp(min=1)).masked_fill(~has, 0).sum()
-            local_den = has.sum()
-        else:
-            noisy_num, clean_num = nll_noisy.sum(), nll_clean.sum()
-            local_den = is_target.sum()
+        noisy_num, clean_num, local_den = normalised_sums(nll[:, :n], nll[:, n:], targets != -100, seq,
+                                                          args.loss_normalization)
         den = local_den.clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         loss = (noisy_num + args.ar_weight * clean_num) / den
         if router is not None and router.logits:
@@ -323,13 +261,7 @@ class MARSTrainer(SFTTrainer):
             loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
             trl_metrics(self, mode)["aux_loss"].append(float(aux.detach()))
         if model.training and not bool(torch.isfinite(loss)):  # stop before the optimizer spreads NaN to every weight
-            bad = [name for name, v in (("noisy (mask) stream", noisy_num), ("clean (AR) stream", clean_num))
-                   if not bool(torch.isfinite(v))] or ["the normaliser"]
-            raise FloatingPointError(
-                f"MARS loss is not finite at step {self.state.global_step} ({' and '.join(bad)}: noisy={float(noisy_num.detach())}, "
-                f"clean={float(clean_num.detach())}). Lower the learning rate, check the data for empty targets, or train in "
-                "float32; the last saved checkpoint is intact (resume_from_checkpoint)."
-            )
+            raise self._not_finite(noisy_num, clean_num)
         # like Trainer/SFTTrainer: the denominator counts every rank, and DDP averages the gradients across ranks
         if args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
@@ -345,6 +277,41 @@ class MARSTrainer(SFTTrainer):
                 outputs = model(**plain)
             return loss, outputs
         return loss
+
+    def _mars_forward(self, model, unwrapped, input_ids, labels, position_ids, valid, targets):
+        """One forward over ``[z ; x]`` under the MARS mask, returning per-token log-probabilities of the targets
+        (and the router-logit recorder of a MoE model whose aux loss is on, else None)."""
+        noisy_ids = build_noisy_input_ids(input_ids, labels, self.mask_token_id)
+        attn = attn_implementation(unwrapped.config)
+        emb_dtype = unwrapped.get_input_embeddings().weight.dtype
+        # one mask per attention layer type: sliding-window layers see the same rule inside their window
+        mask = build_model_mars_mask(unwrapped.config, position_ids, self.args.block_size, valid, attn, emb_dtype)
+        moe_aux = getattr(self, "aux_loss_enabled", False)  # SFTTrainer: MoE config with a router aux coefficient
+        router = RouterLogits(unwrapped) if moe_aux else None
+        try:
+            outputs = model(
+                input_ids=torch.cat([noisy_ids, input_ids], dim=1),
+                attention_mask=mask,
+                position_ids=torch.cat([position_ids, position_ids], dim=1),
+                shift_labels=torch.cat([targets, targets], dim=1),
+                fused_lm_head=True,
+                use_cache=False,
+                # the model's own aux loss reads a 2D padding mask; MARS adds it below, on the clean stream
+                **({"output_router_logits": False} if moe_aux else {}),
+            )
+        finally:
+            if router is not None:
+                router.close()
+        return outputs, router
+
+    def _not_finite(self, noisy_num, clean_num) -> FloatingPointError:
+        bad = [name for name, v in (("noisy (mask) stream", noisy_num), ("clean (AR) stream", clean_num))
+               if not bool(torch.isfinite(v))] or ["the normaliser"]
+        return FloatingPointError(
+            f"MARS loss is not finite at step {self.state.global_step} ({' and '.join(bad)}: noisy={float(noisy_num.detach())}, "
+            f"clean={float(clean_num.detach())}). Lower the learning rate, check the data for empty targets, or train in "
+            "float32; the last saved checkpoint is intact (resume_from_checkpoint)."
+        )
 
     @torch.no_grad()
     def _record_metrics(self, mode, inputs, outputs, position_ids, labels, targets, noisy_num, clean_num, local_den,
@@ -493,3 +460,4 @@ class MARSTrainer(SFTTrainer):
                     f.write("\n")
         else:
             model.config.save_pretrained(output_dir)
+
