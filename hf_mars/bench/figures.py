@@ -12,6 +12,9 @@ __all__ = ["relative_figures", "summarise_runs"]
 
 
 def summarise_runs(b, spec, reps, costs, bsz):
+    """One configuration's row at batch size ``b`` from its repeats (``reps``: one list of per-batch runs per
+    repeat): emitted tokens, median and best-of-repeats time, tokens per forward and per call, the decode widths,
+    the model's time and the loop's own time per step."""
     times = [sum(r["time"] for r in runs) for runs in reps]
     model_times = [sum(r["model_time"] for r in runs) for runs in reps]
     runs = reps[0]  # greedy: token counts are the same on every repeat
