@@ -40,8 +40,11 @@ def test_old_import_paths_are_the_moved_modules(old):
 
 def test_old_names_import_as_before_and_stay_light():
     """`from hf_mars.trainer import ...` gives the objects `hf_mars` exports; importing the tokens module by its old
-    name still does not load TRL (a fresh interpreter: other tests have imported it here)."""
+    name still does not load TRL, nor reading a benchmark report torch (a fresh interpreter: other tests have
+    imported them here)."""
     code = ("import sys\n"
+            "import hf_mars.bench.report\n"
+            "assert 'torch' not in sys.modules\n"
             "import hf_mars.tokens, hf_mars.masking\n"
             "assert 'trl' not in sys.modules\n"
             "import hf_mars\n"
