@@ -55,7 +55,7 @@ class StickyCriterion(StoppingCriteria):
 
 def _load(path):
     from hf_mars import enable_mars
-    from hf_mars.demo.tiny import build_char_tokenizer
+    from hf_mars.testing_utils import build_char_tokenizer
 
     if path is None:
         from test_stateful_clients import position_only_model

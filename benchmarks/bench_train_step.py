@@ -72,7 +72,7 @@ def bench(args, attn):
     from trl import SFTConfig, SFTTrainer
 
     from hf_mars import MARSConfig, MARSTrainer, add_mask_token
-    from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
+    from hf_mars.testing_utils import build_char_tokenizer, tiny_qwen2
 
     device = torch.device(args.device)
     tok = build_char_tokenizer()

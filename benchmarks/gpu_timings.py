@@ -92,7 +92,7 @@ def main(argv=None):
     from transformers import CompileConfig
 
     from hf_mars._compat import compile_on_any_device
-    from hf_mars.demo.bench import ForwardRecorder, measure_step_costs
+    from hf_mars.bench import ForwardRecorder, measure_step_costs
     from hf_mars.generation import enable_mars
 
     B = args.block_size

@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from architectures import ARCHITECTURES, build  # noqa: E402
 
 from hf_mars import enable_mars  # noqa: E402
-from hf_mars.demo.data import generate_examples  # noqa: E402
-from hf_mars.demo.tiny import build_char_tokenizer  # noqa: E402
-from hf_mars.tokens import set_mars_metadata  # noqa: E402
+from hf_mars.bench.tasks import generate_examples  # noqa: E402
+from hf_mars.testing_utils import build_char_tokenizer  # noqa: E402
+from hf_mars.training.tokens import set_mars_metadata  # noqa: E402
 
 
 def main():

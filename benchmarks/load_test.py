@@ -41,7 +41,7 @@ from pathlib import Path
 
 import openai
 
-from hf_mars.demo.data import accuracy, generate_examples
+from hf_mars.bench.tasks import accuracy, generate_examples
 
 CONFIGS = {
     "fixed τ=1": ["--tau-ladder", "0:1.0"],

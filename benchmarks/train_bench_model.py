@@ -1,7 +1,7 @@
 """Rebuild the small MARS model the CPU figures in benchmarks/README.md were measured on.
 
-A 0.61M-parameter Qwen2 (hidden 128, 4 layers, char-level tokenizer of hf_mars.demo.tiny) trained from
-scratch with `MARSTrainer` (B = 4, ar_weight 1) on hf_mars.demo.data, in two phases exactly as measured:
+A 0.61M-parameter Qwen2 (hidden 128, 4 layers, char-level tokenizer of hf_mars.testing_utils) trained from
+scratch with `MARSTrainer` (B = 4, ar_weight 1) on hf_mars.bench.tasks, in two phases exactly as measured:
 400 steps (lr 3e-3, data seed 0) then 700 more (lr 2e-3, data seed 1), batch 32, fp32, one thread.
 About 20 minutes on 2 CPU cores. It is a timing subject, not a good model (whole-answer accuracy ~3%).
 
@@ -21,7 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def _phase(model, tokenizer, out, steps, lr, seed, n_examples, warmup):
     from hf_mars import MARSConfig, MARSTrainer
-    from hf_mars.demo.data import make_dataset
+    from hf_mars.bench.tasks import make_dataset
 
     train = make_dataset(n_examples, seed=seed, split="train")
     cfg = MARSConfig(output_dir=os.path.join(out, "_trainer"), max_steps=steps, per_device_train_batch_size=32,
@@ -45,7 +45,7 @@ def main(argv=None):
 
     import torch
 
-    from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
+    from hf_mars.testing_utils import build_char_tokenizer, tiny_qwen2
 
     torch.set_num_threads(1)
     tok = build_char_tokenizer()

@@ -6,7 +6,7 @@ interleaved call by call (plain, chain, each tree, plain, ...), and each call's 
 disturbed estimate); the sums over the prompts give the speed-ups. Also reported per shape: the widest tree step
 (1 + nodes + (nodes + 1) x depth: a mask group after every node), the mean width of the steps really forwarded
 (groups go only where the path is likely to end) and their measured cost against a 1-token step on this machine
-(`hf_mars.demo.timing.measure_step_costs`), and the limit tokens/forward x cost(1)/cost(mean width): the speed-up
+(`hf_mars.bench.timing.measure_step_costs`), and the limit tokens/forward x cost(1)/cost(mean width): the speed-up
 over plain decoding with no loop overhead.
 
     hf-mars demo --output-dir runs/demo
@@ -24,8 +24,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_mars import enable_mars
-from hf_mars.demo.prompts import encode_prompts, load_prompts
-from hf_mars.demo.timing import measure_step_costs
+from hf_mars.bench.prompts import encode_prompts, load_prompts
+from hf_mars.bench.timing import measure_step_costs
 
 SHAPES = ("chain", "auto", "1,1,1", "2,1,1,1", "2,2,1,1", "3,2,1,1", "2,2,2,2")
 

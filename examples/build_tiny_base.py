@@ -1,7 +1,7 @@
 """Rebuild the tiny AR-SFT base model shipped in hf_mars/demo/assets/tiny-base (the start of `hf-mars demo`).
 
 A small Qwen2 is trained from scratch by plain TRL `SFTTrainer` on the bundled
-instruction data (hf_mars.demo.data), on CPU, in fp32. This is the paper's first
+instruction data (hf_mars.bench.tasks), on CPU, in fp32. This is the paper's first
 stage ("AR SFT"); MARS fine-tuning then starts from this checkpoint.
 
     python examples/build_tiny_base.py                       # writes hf_mars/demo/assets/tiny-base
@@ -51,9 +51,9 @@ def main(argv=None):
     from transformers import set_seed
     from trl import SFTConfig, SFTTrainer
 
-    from hf_mars.demo.data import make_dataset
+    from hf_mars.bench.tasks import make_dataset
     from hf_mars.demo.pipeline import evaluate_ar
-    from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
+    from hf_mars.testing_utils import build_char_tokenizer, tiny_qwen2
 
     if args.threads:
         torch.set_num_threads(args.threads)

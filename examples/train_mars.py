@@ -39,7 +39,7 @@ class MARSScriptArguments:
     tiny_model: bool = field(
         default=False,
         metadata={"help": "If model_name_or_path does not exist, build a tiny random Qwen2 with the character-level "
-                          "tokenizer of hf_mars.demo.tiny there first (offline smoke runs)."},
+                          "tokenizer of hf_mars.testing_utils there first (offline smoke runs)."},
     )
     tiny_dataset_size: int = field(
         default=0,
@@ -79,7 +79,7 @@ def synthetic_chat_dataset(n: int, seed: int = 0):
 
 
 def build_tiny_model(path: str, seed: int = 0) -> None:
-    from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
+    from hf_mars.testing_utils import build_char_tokenizer, tiny_qwen2
 
     tokenizer = build_char_tokenizer()
     model = tiny_qwen2(tokenizer, seed=seed)

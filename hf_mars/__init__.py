@@ -8,14 +8,14 @@ datasets are only loaded when the trainer is used); so are the submodules, so th
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "add_mask_token": "hf_mars.tokens",
-    "get_mars_metadata": "hf_mars.tokens",
-    "set_mars_metadata": "hf_mars.tokens",
-    "DEFAULT_MASK_TOKEN": "hf_mars.tokens",
-    "MARSConfig": "hf_mars.trainer",
-    "MARSTrainer": "hf_mars.trainer",
-    "MARSDataCollator": "hf_mars.trainer",
-    "build_mars_attention_mask": "hf_mars.masking",
+    "add_mask_token": "hf_mars.training.tokens",
+    "get_mars_metadata": "hf_mars.training.tokens",
+    "set_mars_metadata": "hf_mars.training.tokens",
+    "DEFAULT_MASK_TOKEN": "hf_mars.training.tokens",
+    "MARSConfig": "hf_mars.training.config",
+    "MARSTrainer": "hf_mars.training.trainer",
+    "MARSDataCollator": "hf_mars.training.collator",
+    "build_mars_attention_mask": "hf_mars.training.masking",
     "mars_generate": "hf_mars.generation",
     "enable_mars": "hf_mars.generation",
     "MARSGenerateOutput": "hf_mars.generation",
@@ -27,8 +27,8 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
-_SUBMODULES = frozenset({"cli", "collator", "config", "demo", "generation", "hub", "masking", "model_card", "serve",
-                         "tokens", "trainer", "vllm"})
+_SUBMODULES = frozenset({"bench", "cli", "collator", "config", "custom_generate", "demo", "generation", "hub",
+                         "masking", "model_card", "serve", "testing_utils", "tokens", "trainer", "training", "vllm"})
 
 
 def __getattr__(name):

@@ -10,7 +10,7 @@ import sys
 # sub-command -> (module, help). Each module defines `add_arguments(parser)` and `run(args) -> int | None`.
 COMMANDS = {
     "demo": ("hf_mars.demo.pipeline", "Train, decode and report MARS on the embedded tiny default (offline, CPU)."),
-    "bench": ("hf_mars.demo.bench", "Tokens/s and tokens/forward of MARS decoding against plain generate."),
+    "bench": ("hf_mars.bench.command", "Tokens/s and tokens/forward of MARS decoding against plain generate."),
     "push": ("hf_mars.hub", "Push a MARS checkpoint folder to the Hugging Face Hub."),
     "serve": ("hf_mars.serve", "OpenAI-compatible server: batched MARS decoding with a load-adaptive τ ladder."),
 }

@@ -8,23 +8,29 @@ folder carries:
 - ``generation_config.json`` with the MARS defaults ``mars_threshold`` / ``mars_block_size``;
 - ``custom_generate/``: the modules of hf_mars/generation/ copied byte for byte (they import
   only torch, transformers and each other; ``generate.py`` is the entry), plus
-  ``custom_generate/requirements.txt``. Loading with ``trust_remote_code=True`` makes
-  transformers replace ``model.generate`` with its ``generate``;
+  ``custom_generate/requirements.txt`` (`hf_mars.custom_generate` writes and checks them). Loading with
+  ``trust_remote_code=True`` makes transformers replace ``model.generate`` with its ``generate``;
 - ``README.md``: the model card (`hf_mars.model_card`, from ``hf_mars/assets/model_cards/mars_model_card.md``).
 
 Without ``trust_remote_code`` the folder is the plain base-architecture AR model. This module owns that contract
 (`check_checkpoint`, `write_mars_extras`, `save_for_hub`) and the upload (`push_to_hub`, ``hf-mars push``); the card's
-text is `hf_mars.model_card`'s, and reading a benchmark report is `hf_mars.demo.report`'s.
+text is `hf_mars.model_card`'s, and reading a benchmark report is `hf_mars.bench.report`'s.
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import sys
 from pathlib import Path
 
+from .custom_generate import (  # noqa: F401  (generation_package_files and write_custom_generate: from here too)
+    CUSTOM_GENERATE_DIR,
+    GENERATION_MODULE,
+    check_standalone,
+    generation_package_files,
+    write_custom_generate,
+)
 # the MARS defaults a checkpoint's generation_config.json carries: hf_mars.generation.config owns them
 from .generation.config import DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD  # noqa: F401
 from .model_card import (  # noqa: F401  (CARD_FIELDS, CARD_TAGS and build_model_card stay importable from here)
@@ -36,11 +42,7 @@ from .model_card import (  # noqa: F401  (CARD_FIELDS, CARD_TAGS and build_model
     check_card_fields,
 )
 
-CUSTOM_GENERATE_DIR = "custom_generate"
-GENERATION_MODULE = "hf_mars.generation"
 DEFAULT_COMMIT_MESSAGE = "Upload MARS checkpoint"
-# Floors for custom_generate/requirements.txt when hf-mars' own metadata is not available.
-_FALLBACK_FLOORS = {"transformers": "transformers>=5.17.0", "torch": "torch>=2.4"}
 # Never committed: pickled files, trainer state (optimizer, scheduler, RNG, DeepSpeed shards), the
 # intermediate checkpoint-N/ folders of a training output_dir (as Trainer.push_to_hub), caches.
 PUSH_IGNORE_PATTERNS = [
@@ -142,7 +144,7 @@ def check_checkpoint(directory, for_push: bool = False, force: bool = False) -> 
         shipped = sorted((directory / CUSTOM_GENERATE_DIR).glob("*.py"))
         try:
             for module in shipped:
-                _check_standalone(module.read_text(encoding="utf-8"), module, {p.stem for p in shipped})
+                check_standalone(module.read_text(encoding="utf-8"), module, {p.stem for p in shipped})
         except RuntimeError as e:
             raise ValueError(f"{e} Rewrite it with `hf_mars.hub.write_mars_extras('{directory}')`.") from None
     return mars
@@ -163,90 +165,7 @@ def validate_repo_id(repo_id) -> str:
     return repo_id
 
 
-# --------------------------------------------------------------------------- custom_generate
-
-
-def generation_package_files() -> list[Path]:
-    """The modules of hf_mars/generation/ a checkpoint ships (found through the import system, not imported):
-    ``generate.py``, the entry transformers loads, and the siblings it imports, directly or not (transformers
-    copies a module's relative imports next to it; the package's ``__init__`` is not needed)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec(GENERATION_MODULE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"Cannot find the source of {GENERATION_MODULE} (needed for custom_generate/); "
-            "reinstall hf-mars from source (`pip install -e .`)."
-        )
-    folder = Path(list(spec.submodule_search_locations)[0])
-    needed, todo = set(), ["generate"]
-    while todo:
-        name = todo.pop()
-        if name in needed or not (folder / f"{name}.py").is_file():
-            continue
-        needed.add(name)
-        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
-                todo.append(node.module)
-    return sorted(folder / f"{name}.py" for name in needed)
-
-
-def _check_standalone(source: str, origin, siblings: set) -> None:
-    """A shipped module may import only torch, transformers, the stdlib and its siblings, the latter as
-    ``from .module import ...`` (the form transformers follows when it copies a custom_generate file's imports)."""
-    allowed = {"torch", "transformers", "__future__"} | set(sys.stdlib_module_names)
-    bad = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.level:
-            if node.level != 1 or node.module not in siblings:
-                bad.append("relative import from " + "." * node.level + (node.module or ""))
-        elif isinstance(node, ast.ImportFrom):
-            if node.module.split(".")[0] not in allowed:
-                bad.append(node.module)
-        elif isinstance(node, ast.Import):
-            bad += [a.name for a in node.names if a.name.split(".")[0] not in allowed]
-    if bad:
-        raise RuntimeError(
-            f"{origin} imports {sorted(set(bad))}; custom_generate/ may import only torch, transformers, the "
-            "standard library and its own modules (`from .module import name`), because it runs where hf-mars is "
-            "not installed."
-        )
-
-
-def _requirement_floors() -> list[str]:
-    """transformers and torch floors, taken from hf-mars' own requirements so they stay in sync."""
-    import importlib.metadata
-    import re
-
-    floors = dict(_FALLBACK_FLOORS)
-    try:
-        reqs = importlib.metadata.requires("hf-mars") or []
-    except importlib.metadata.PackageNotFoundError:
-        reqs = []
-    for req in reqs:
-        if ";" in req:  # extras / markers
-            continue
-        m = re.match(r"^\s*(torch|transformers)\s*(>=\s*[\w.]+)", req)
-        if m:
-            floors[m.group(1)] = m.group(1) + m.group(2).replace(" ", "")
-    return [floors["transformers"], floors["torch"]]
-
-
-def write_custom_generate(save_directory) -> Path:
-    """Copy the modules of hf_mars/generation/ into ``custom_generate/`` (byte for byte) with the requirements;
-    returns the path of its ``generate.py``."""
-    files = generation_package_files()
-    siblings = {p.stem for p in files}
-    if "generate" not in siblings:
-        raise RuntimeError(f"{GENERATION_MODULE} has no generate.py entry point for custom_generate/.")
-    out = Path(save_directory) / CUSTOM_GENERATE_DIR
-    out.mkdir(parents=True, exist_ok=True)
-    for src in files:
-        data = src.read_bytes()
-        _check_standalone(data.decode("utf-8"), src, siblings)
-        (out / src.name).write_bytes(data)
-    (out / "requirements.txt").write_text("\n".join(_requirement_floors()) + "\n", encoding="utf-8")
-    return out / "generate.py"
+# --------------------------------------------------------------------------- weights
 
 
 def _give_weights_the_umask_mode(directory: Path) -> None:
@@ -377,7 +296,7 @@ def save_for_hub(model, tokenizer, save_directory, training_args=None, force: bo
     description, benchmark (report dict or report.json path), example_prompt,
     mars_threshold, mars_block_size.
     """
-    from hf_mars.tokens import get_mars_metadata
+    from hf_mars.training.tokens import get_mars_metadata
 
     mars = get_mars_metadata(model.config)
     if not mars or not isinstance(mars.get("mask_token_id"), int):

@@ -2,7 +2,7 @@
 
 Rendered from the one template, ``hf_mars/assets/model_cards/mars_model_card.md`` (packaged with the library), by
 huggingface_hub's ``ModelCard.from_template`` and parsed back before it is written, so a broken template fails when
-the card is made rather than on the Hub. The measured table comes from `hf_mars.demo.report.BenchmarkReport`, which
+the card is made rather than on the Hub. The measured table comes from `hf_mars.bench.report.BenchmarkReport`, which
 owns the report layouts; this module only places its rows.
 """
 
@@ -48,7 +48,7 @@ def check_card_fields(card_fields: dict) -> None:
 
 def benchmark_table(benchmark) -> dict:
     """The card's measured table from a report (dict, report.json path or BenchmarkReport); ValueError if malformed."""
-    from hf_mars.demo.report import BenchmarkReport
+    from hf_mars.bench.report import BenchmarkReport
 
     return BenchmarkReport.load(benchmark).card_table()
 

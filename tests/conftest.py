@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_mars import add_mask_token
-from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
+from hf_mars.testing_utils import build_char_tokenizer, tiny_qwen2
 
 
 @pytest.fixture

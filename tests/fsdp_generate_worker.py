@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from hf_mars import add_mask_token, enable_mars
-from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
-from hf_mars.tokens import set_mars_metadata
+from hf_mars.testing_utils import build_char_tokenizer, tiny_qwen2
+from hf_mars.training.tokens import set_mars_metadata
 
 
 def main(out_dir):

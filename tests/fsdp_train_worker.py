@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from torch.distributed.fsdp import fully_shard
 
 from hf_mars import MARSConfig, MARSTrainer
-from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
+from hf_mars.testing_utils import build_char_tokenizer, tiny_qwen2
 
 ROWS = [{"prompt": f"copy {w} ->", "completion": f" {w} {w}"} for w in ("abc", "hello", "moon", "xyz")]
 

@@ -54,7 +54,7 @@ def start_mars_server(ckpt, tmp, *flags, boot_timeout: float = 90):
 def save_checkpoint(model, tok, folder):
     """A served model as MARSTrainer would leave it (B = 4, marked trained), saved as a Hub checkpoint folder."""
     from hf_mars import save_for_hub
-    from hf_mars.tokens import set_mars_metadata
+    from hf_mars.training.tokens import set_mars_metadata
 
     set_mars_metadata(model.config, block_size=4, trained_steps=1)
     return save_for_hub(model, tok, folder)

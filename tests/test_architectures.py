@@ -13,9 +13,9 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from hf_mars import MARSConfig, MARSTrainer, enable_mars, save_for_hub
-from hf_mars.demo.tiny import build_char_tokenizer
-from hf_mars.masking import build_model_mars_mask, build_noisy_input_ids
-from hf_mars.tokens import set_mars_metadata
+from hf_mars.testing_utils import build_char_tokenizer
+from hf_mars.training.masking import build_model_mars_mask, build_noisy_input_ids
+from hf_mars.training.tokens import set_mars_metadata
 
 ARCHS = list(ARCHITECTURES)
 PROMPTS = ["hello world, a long prompt", "a", "the quick brown fox", "xy"]
@@ -148,7 +148,7 @@ def test_sliding_window_prompt_longer_than_window(tok):
 def test_unsupported_layer_types_are_refused_before_any_step(tok, tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from hf_mars.masking import model_attention_layout
+    from hf_mars.training.masking import model_attention_layout
 
     config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1)

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from hf_mars.demo import bench
+from hf_mars import bench
+from hf_mars.bench.command import _json_default
 
 
 def cli_main(argv):
@@ -53,7 +54,7 @@ def test_cli_json_structure_and_sanity(tmp_path, checkpoint, capsys):
         assert column in table
 
     # one report schema: the bench's own JSON renders in a model card (threshold / speedup_vs_ar rows)
-    from hf_mars.demo.report import BenchmarkReport
+    from hf_mars.bench.report import BenchmarkReport
 
     report = BenchmarkReport.load(out)
     assert BenchmarkReport.load(report.to_dict()) == report  # the typed report round-trips
@@ -119,7 +120,7 @@ def test_benchmark_function_defaults_to_bundled_prompts(make_model):
     assert result["settings"]["prompts_available"] >= 16
     text = bench.format_table(result)
     assert "ar" in text and "mars" in text and "cost(1)" in text
-    json.dumps(result, default=bench._json_default)  # JSON-able
+    json.dumps(result, default=_json_default)  # JSON-able
 
 
 def test_count_emitted_excludes_padding_after_eos():
@@ -180,6 +181,32 @@ def test_bad_arguments(tmp_path, make_model, capsys):
     tok.save_pretrained(tmp_path / "plain")
     capsys.readouterr()
     one_line_error(["bench", "--model", str(tmp_path / "plain")], "mask token")
+
+
+def test_acceptance_rules_are_timed_each(make_model):
+    """`--acceptance`: each rule a threshold-mode configuration of its own; the default rule runs as generate's
+    default (no extra argument), and only its rows stand for MARS in a model card."""
+    from hf_mars.bench.report import BenchmarkReport
+    from hf_mars.bench.specs import DEFAULT_ACCEPTANCE
+    from hf_mars.generation import MARSGenerationConfig
+
+    assert MARSGenerationConfig().acceptance == DEFAULT_ACCEPTANCE
+    specs = bench.build_specs([0.9], ["sliding"], [], None, 16, acceptances=("probability", "margin"))
+    assert [(s.acceptance, s.kwargs.get("mars_acceptance")) for s in specs[1:]] == [(None, None), ("margin", "margin")]
+    assert specs[2].label == "mars(tau=0.9,cache=sliding,rule=margin)"
+    with pytest.raises(ValueError, match="acceptance rule"):
+        bench.build_specs([0.9], ["sliding"], [], None, 16, acceptances=("vibes",))
+
+    model, tok = make_model(seed=1, hidden_size=32)
+    result = bench.benchmark_generation(model, tok, thresholds=[0.5], batch_sizes=[1], caches=["sliding"],
+                                        verify_thresholds=[], max_new_tokens=6, num_prompts=2, repeats=1, warmup=0,
+                                        cost_repeats=1, progress=False, peers=(),
+                                        acceptances=("probability", "entropy", "margin"))
+    assert [(r["mode"], r["acceptance"]) for r in result["rows"]] == [
+        ("ar", None), ("mars", None), ("mars", "entropy"), ("mars", "margin")]
+    assert result["settings"]["acceptances"] == ["probability", "entropy", "margin"]
+    assert "rule" in bench.format_table(result)
+    assert [m.threshold for m in BenchmarkReport.load(result).mars] == [0.5]
 
 
 def test_static_compile_peer_spec():

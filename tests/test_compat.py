@@ -9,7 +9,7 @@ import torch
 from datasets import Dataset
 
 from hf_mars import MARSConfig, MARSTrainer, _compat
-from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
+from hf_mars.testing_utils import build_char_tokenizer, tiny_qwen2
 
 
 def test_trl_private_state(tmp_path):

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from hf_mars.demo import data
-from hf_mars.demo.data import (
+from hf_mars.bench import tasks as data
+from hf_mars.bench.tasks import (
     TASKS,
     WORLD,
     generate_examples,

@@ -79,7 +79,7 @@ def test_quick_demo_report(quick_run):
 
 def test_quick_demo_report_is_the_cards_report(quick_run):
     """The report.json the demo wrote reads back as one typed report, round-trips, and is the checkpoint card's table."""
-    from hf_mars.demo.report import BenchmarkReport
+    from hf_mars.bench.report import BenchmarkReport
 
     out, _ = quick_run
     raw = json.loads((out / "report.json").read_text())

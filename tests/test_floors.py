@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from hf_mars import hub
+from hf_mars import custom_generate, hub
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,8 +25,8 @@ def _declared_floor() -> str:
 def test_one_floor_everywhere():
     floor = _declared_floor()
     assert Version(floor) >= Version("5.17.0"), "releases before 5.17.0 fetch custom_generate code before trust"
-    assert hub._FALLBACK_FLOORS["transformers"] == f"transformers>={floor}"
-    assert f"transformers>={floor}" in hub._requirement_floors()  # what saved checkpoints pin
+    assert custom_generate._FALLBACK_FLOORS["transformers"] == f"transformers>={floor}"
+    assert f"transformers>={floor}" in custom_generate.requirement_floors()  # what saved checkpoints pin
     assert f"transformers ≥ {floor}" in (ROOT / "README.md").read_text()
     assert Version(importlib.metadata.version("transformers")) >= Version(floor)
 
@@ -35,7 +35,7 @@ def test_custom_generate_refused_before_any_fetch(tmp_path, monkeypatch):
     """`generate(custom_generate=folder)` without trust must raise before transformers reads the folder's code."""
     import transformers.generation.utils as gen_utils
 
-    from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
+    from hf_mars.testing_utils import build_char_tokenizer, tiny_qwen2
 
     folder = tmp_path / "ckpt"
     hub.write_custom_generate(folder)

@@ -1197,7 +1197,7 @@ def test_answer_up_to_the_context_of_learned_positions(batch):
     decodes although a step's trailing drafts and masks reach past it, and stays equal to greedy."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from hf_mars.demo.tiny import build_char_tokenizer
+    from hf_mars.testing_utils import build_char_tokenizer
     from hf_mars.tokens import add_mask_token
 
     tok = build_char_tokenizer()

@@ -7,8 +7,8 @@ import torch
 
 import hf_mars
 from hf_mars import MARSConfig, add_mask_token, enable_mars, save_for_hub
-from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
-from hf_mars.tokens import set_mars_metadata
+from hf_mars.testing_utils import build_char_tokenizer, tiny_qwen2
+from hf_mars.training.tokens import set_mars_metadata
 
 
 @pytest.fixture

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_mars import add_mask_token, hub, save_for_hub
-from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
-from hf_mars.tokens import set_mars_metadata
+from hf_mars import add_mask_token, custom_generate, hub, save_for_hub
+from hf_mars.testing_utils import build_char_tokenizer, tiny_qwen2
+from hf_mars.training.tokens import set_mars_metadata
 
 REPO_ID = "mars-org/tiny-mars"
 BLOCK = 4
@@ -76,7 +76,7 @@ def saved(tmp_path_factory):
 def trained(tmp_path_factory):
     """(model, tokenizer, output_dir) of a 2-step MARSTrainer run saving checkpoint-1, checkpoint-2 and save_model."""
     from hf_mars import MARSConfig, MARSTrainer
-    from hf_mars.demo.data import make_dataset
+    from hf_mars.bench.tasks import make_dataset
 
     tok = build_char_tokenizer()
     model = tiny_qwen2(tok, hidden_size=32)
@@ -143,13 +143,13 @@ def test_generation_module_is_standalone():
     siblings = {p.stem for p in files}
     assert {"generate", "api", "config", "decoder", "rules"} <= siblings
     for module in files:
-        hub._check_standalone(module.read_text(), module, siblings)
+        custom_generate.check_standalone(module.read_text(), module, siblings)
     with pytest.raises(RuntimeError, match="may import only torch"):
-        hub._check_standalone("import numpy\ndef generate(*a, model, **k): pass\n", "x.py", siblings)
+        custom_generate.check_standalone("import numpy\ndef generate(*a, model, **k): pass\n", "x.py", siblings)
     with pytest.raises(RuntimeError, match="relative import"):  # hf_mars' own modules are not shipped
-        hub._check_standalone("from .tokens import x\ndef generate(*a, model, **k): pass\n", "x.py", siblings)
+        custom_generate.check_standalone("from .tokens import x\ndef generate(*a, model, **k): pass\n", "x.py", siblings)
     with pytest.raises(RuntimeError, match="relative import"):  # transformers follows `from .x import` only
-        hub._check_standalone("from ..generation import api\n", "x.py", siblings)
+        custom_generate.check_standalone("from ..generation import api\n", "x.py", siblings)
 
 
 def test_model_card_parses(saved):

@@ -14,8 +14,8 @@ import pytest
 lm_eval = pytest.importorskip("lm_eval")
 
 from hf_mars import add_mask_token, save_for_hub  # noqa: E402
-from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2  # noqa: E402
-from hf_mars.tokens import set_mars_metadata  # noqa: E402
+from hf_mars.testing_utils import build_char_tokenizer, tiny_qwen2  # noqa: E402
+from hf_mars.training.tokens import set_mars_metadata  # noqa: E402
 
 ROWS = [
     {"question": "Repeat: abcabcabc", "answer": "abcabcabc"},

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from hf_mars.masking import (
+from hf_mars.training.masking import (
     build_mars_attention_mask,
     build_noisy_input_ids,
     mars_allowed,

@@ -152,7 +152,7 @@ def stand_ins(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_mars import add_mask_token, save_for_hub, set_mars_metadata
-    from hf_mars.demo.data import generate_examples
+    from hf_mars.bench.tasks import generate_examples
 
     tmp = tmp_path_factory.mktemp("readme")
     reader = tmp / "reader"
@@ -330,7 +330,7 @@ def test_repository_paths_exist():
     for line in _command_lines():
         names.update(REPO_PATH.findall(line))
     assert names
-    # `benchmarks/sweep_common.speedups` names a function of benchmarks/sweep_common.py
+    # a dotted name such as `benchmarks/module.function` names a function of benchmarks/module.py
     missing = sorted(n for n in names if not (ROOT / n).exists() and not (ROOT / n).with_suffix(".py").is_file())
     assert not missing, f"README names paths that do not exist: {missing}"
 

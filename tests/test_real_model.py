@@ -43,7 +43,7 @@ def test_token_rows_train_the_completion_and_cut_some():
 @pytest.fixture
 def plain_base(tmp_path):
     """A tiny random Qwen2 saved like a pretrained base: no chat template (what selects the real-text pipeline)."""
-    from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
+    from hf_mars.testing_utils import build_char_tokenizer, tiny_qwen2
 
     tok = build_char_tokenizer()
     tok.chat_template = None

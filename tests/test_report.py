@@ -1,4 +1,4 @@
-"""`BenchmarkReport`: the one typed reading of the demo's report.json and `hf-mars bench` JSON (hf_mars/demo/report.py).
+"""`BenchmarkReport`: the one typed reading of the demo's report.json and `hf-mars bench` JSON (hf_mars/bench/report.py).
 
 The bench round trip on a real `hf-mars bench --output` file is in tests/test_bench.py, the demo's in tests/test_demo.py;
 here: the shipped demo report (docs/demo_report.json, a full run), the layouts' corner cases and the errors.
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_mars.demo.report import BenchmarkReport, Measurement
+from hf_mars.bench.report import BenchmarkReport, Measurement
 
 DEMO_REPORT = Path(__file__).resolve().parents[1] / "docs" / "demo_report.json"
 

@@ -25,8 +25,8 @@ def server(tmp_path_factory):
     from test_stateful_clients import position_only_model
 
     from hf_mars import save_for_hub
-    from hf_mars.demo.tiny import build_char_tokenizer
-    from hf_mars.tokens import set_mars_metadata
+    from hf_mars.testing_utils import build_char_tokenizer
+    from hf_mars.training.tokens import set_mars_metadata
 
     tmp = tmp_path_factory.mktemp("serve")
     tok = build_char_tokenizer()

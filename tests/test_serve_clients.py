@@ -33,7 +33,7 @@ FLAGS = ("--lossless", "--api-key", "sk-test", "--max-tokens-limit", "1600", "--
 def tiny():
     from test_stateful_clients import position_only_model
 
-    from hf_mars.demo.tiny import build_char_tokenizer
+    from hf_mars.testing_utils import build_char_tokenizer
 
     tok = build_char_tokenizer()
     return position_only_model(tok, n_positions=2048), tok

@@ -75,7 +75,7 @@ def test_a_stream_error_is_written_as_we_rewrite_it():
     from transformers.cli.serving.chat_completion import ChatCompletionHandler
     from transformers.cli.serving.utils import _StreamError
 
-    from hf_mars.demo.tiny import build_char_tokenizer
+    from hf_mars.testing_utils import build_char_tokenizer
 
     tok = build_char_tokenizer()
 

@@ -47,7 +47,7 @@ def peaky(request, make_model):
     """Two tiny models: a random Qwen2 with peaked distributions (acceptance varies per row) and a
     position-only GPT-2 (drafts mostly right)."""
     if request.param == "aligned":
-        from hf_mars.demo.tiny import build_char_tokenizer
+        from hf_mars.testing_utils import build_char_tokenizer
 
         tok = build_char_tokenizer()
         return position_only_model(tok), tok

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import LogitsProcessorList
 
-from hf_mars.demo.tiny import build_char_tokenizer
+from hf_mars.testing_utils import build_char_tokenizer
 from hf_mars.generation import enable_mars
 
 xgr = pytest.importorskip("xgrammar")
@@ -35,7 +35,7 @@ MAX_NEW = 64
 @pytest.fixture(scope="module", params=["qwen2", "gpt2-aligned"])
 def model_and_tok(request):
     from hf_mars import add_mask_token
-    from hf_mars.demo.tiny import tiny_qwen2
+    from hf_mars.testing_utils import tiny_qwen2
 
     tok = build_char_tokenizer()
     if request.param == "qwen2":
@@ -163,7 +163,7 @@ def cfg_model_and_tok(tmp_path_factory):
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     from hf_mars import add_mask_token
-    from hf_mars.demo.tiny import tiny_qwen2
+    from hf_mars.testing_utils import tiny_qwen2
 
     class _OfflineGPT2ByteMap:
         @staticmethod

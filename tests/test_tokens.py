@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from hf_mars import add_mask_token, get_mars_metadata
-from hf_mars.demo.tiny import tiny_qwen2
+from hf_mars.testing_utils import tiny_qwen2
 
 
 def test_add_mask_token_adds_resizes_and_records(tokenizer):
@@ -31,7 +31,7 @@ def test_add_mask_token_idempotent(tokenizer):
 def test_add_mask_token_no_resize_when_rows_spare(tokenizer):
     from transformers import Qwen2ForCausalLM
 
-    from hf_mars.demo.tiny import tiny_qwen2_config
+    from hf_mars.testing_utils import tiny_qwen2_config
 
     model = Qwen2ForCausalLM(tiny_qwen2_config(128))  # padded embedding matrix, as real checkpoints have
     mid = add_mask_token(model, tokenizer)
@@ -42,7 +42,7 @@ def test_add_mask_token_no_resize_when_rows_spare(tokenizer):
 def test_add_mask_token_keeps_pad_multiple(tokenizer):
     from transformers import Qwen2ForCausalLM
 
-    from hf_mars.demo.tiny import tiny_qwen2_config
+    from hf_mars.testing_utils import tiny_qwen2_config
 
     for _ in range(64 - len(tokenizer) % 64):
         tokenizer.add_special_tokens({"additional_special_tokens": [f"<|x{_}|>"]}, replace_extra_special_tokens=False)
@@ -125,7 +125,7 @@ def _bpe_tokenizer(pad=True, with_bos=False):
                                    pad_token="<|endoftext|>" if pad else None,
                                    bos_token="<|begin_of_text|>" if with_bos else None,
                                    additional_special_tokens=["<|im_start|>"])
-    from hf_mars.demo.tiny import CHAT_TEMPLATE
+    from hf_mars.testing_utils import CHAT_TEMPLATE
 
     fast.chat_template = CHAT_TEMPLATE
     return fast

@@ -11,7 +11,7 @@ from datasets import Dataset
 from safetensors.torch import load_file
 
 from hf_mars import MARSConfig, MARSDataCollator, MARSTrainer
-from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
+from hf_mars.testing_utils import build_char_tokenizer, tiny_qwen2
 
 WORDS = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree"]
 

@@ -108,7 +108,7 @@ def test_hf_mars_vllm_imports_without_vllm():
 def checkpoint(tmp_path_factory):
     """A tiny random Qwen2 MARS checkpoint (config.mars with the mask id and block size) on disk."""
     from hf_mars import add_mask_token
-    from hf_mars.demo.tiny import build_char_tokenizer, tiny_qwen2
+    from hf_mars.testing_utils import build_char_tokenizer, tiny_qwen2
 
     tok = build_char_tokenizer()
     model = tiny_qwen2(tok, seed=0, max_position=256, num_heads=2, num_kv_heads=1)  # head_dim 32: vLLM CPU attention has no 16
@@ -354,7 +354,7 @@ def test_demo_checkpoint_drafts_are_accepted():
     """On the trained demo checkpoint and its held-out questions, mask drafts are accepted often enough to matter."""
     from transformers import AutoTokenizer
 
-    from hf_mars.demo.data import generate_examples
+    from hf_mars.bench.tasks import generate_examples
 
     tok = AutoTokenizer.from_pretrained(DEMO)
     prompts = [tok.apply_chat_template([e["messages"][0]], tokenize=False, add_generation_prompt=True)

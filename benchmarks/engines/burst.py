@@ -1,6 +1,6 @@
 """A burst of the demo's 192 held-out questions against any OpenAI-compatible server (vLLM, hf-mars serve, ...):
 requests/s, tokens/s and accuracy. Runs in an engine's own virtualenv: it needs only `openai`, and reads the
-demo's question generator by file path (pure Python), not through `hf_mars`.
+bundled tasks' question generator (hf_mars/bench/tasks.py) by file path (pure Python), not through `hf_mars`.
 
     python benchmarks/engines/burst.py --port 8123 --model /path/to/mars-checkpoint
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from openai import AsyncOpenAI
 
-_spec = importlib.util.spec_from_file_location("demo_data", Path(__file__).parents[2] / "hf_mars/demo/data.py")
+_spec = importlib.util.spec_from_file_location("bundled_tasks", Path(__file__).parents[2] / "hf_mars/bench/tasks.py")
 data = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(data)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from openai import AsyncOpenAI
 
-_spec = importlib.util.spec_from_file_location("demo_data", Path(__file__).parents[2] / "hf_mars/demo/data.py")
+_spec = importlib.util.spec_from_file_location("bundled_tasks", Path(__file__).parents[2] / "hf_mars/bench/tasks.py")
 data = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(data)
 

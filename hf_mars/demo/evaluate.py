@@ -1,13 +1,13 @@
 """Held-out evaluation for `hf-mars demo`: greedy answers, exact-match accuracy, tokens per forward.
 
 Prompts are the bundled tasks' user turns through the tokenizer's chat template; answers are scored by
-`hf_mars.demo.data` (exact whole-answer match). Tokens per forward are MARS's own per-row counts
+`hf_mars.bench.tasks` (exact whole-answer match). Tokens per forward are MARS's own per-row counts
 (``mars_emitted_tokens / mars_forward_passes``), summed before dividing, overall and per task.
 """
 
 from __future__ import annotations
 
-from hf_mars.demo.timing import _generate_batch
+from hf_mars.bench.timing import _generate_batch
 
 MAX_NEW_TOKENS = 64  # the longest bundled answer is ~50 characters
 
@@ -50,7 +50,7 @@ def generate_texts(model, tokenizer, prompts, batch_size=64, max_new_tokens=MAX_
 
 
 def _score(examples, texts) -> dict:
-    from hf_mars.demo.data import accuracy
+    from hf_mars.bench.tasks import accuracy
 
     return accuracy([ex["task"] for ex in examples], texts, [ex["messages"][1]["content"] for ex in examples])
 

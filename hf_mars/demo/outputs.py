@@ -1,7 +1,7 @@
 """What `hf-mars demo` writes for people: the per-task and speed tables (``per_task.md``) and ``pareto.png``.
 
 All three read the demo's ``report.json`` dict as written, so they can be redrawn from a saved report. (The Hub
-model card's table is `hf_mars.demo.report.BenchmarkReport.card_table`.)
+model card's table is `hf_mars.bench.report.BenchmarkReport.card_table`.)
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ see ``examples/build_tiny_base.py``):
    meet when decoding);
 2. a compute-matched AR-SFT baseline: plain `SFTTrainer` from the same base on the same examples
    (uncut), same steps, batch and LR;
-3. evaluation on the held-out split (``hf_mars.demo.data``): exact-match accuracy per task and overall and
+3. evaluation on the held-out split (``hf_mars.bench.tasks``): exact-match accuracy per task and overall and
    tokens per forward, for every threshold in the sweep and for the lossless verify mode;
 4. wall-clock against plain `generate` (greedy, KV cache) on the same checkpoint, batch sizes 1/4/16,
    sliding and block cache, timed in the same run, interleaved;
@@ -42,7 +42,7 @@ from hf_mars.demo.stats import (
     pick_quality_threshold,
     wilson_interval,
 )
-from hf_mars.demo.timing import time_interleaved
+from hf_mars.bench.timing import time_interleaved
 from hf_mars.demo.training import completion_rows, train_ar_baseline, train_mars  # noqa: F401
 
 THRESHOLDS = (1.0, 0.99, 0.98, 0.95, 0.9, 0.8, 0.7, 0.5)
@@ -185,7 +185,7 @@ def run(args) -> int:
     from transformers import set_seed
     from transformers.utils import logging as hf_logging
 
-    from hf_mars.demo.data import generate_examples
+    from hf_mars.bench.tasks import generate_examples
     from hf_mars.generation import enable_mars
 
     hf_logging.set_verbosity_error()
@@ -221,7 +221,12 @@ def run(args) -> int:
                          "checkpoint": str(ckpt)}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     shutil.rmtree(work, ignore_errors=True)
+    _print_summary(report, out, ckpt)
+    return 0
 
+
+def _print_summary(report: dict, out: Path, ckpt: Path) -> None:
+    """The two tables, the chosen threshold and what was written where."""
     print()
     print(per_task_table(report))
     print()
@@ -231,7 +236,6 @@ def run(args) -> int:
          "points of τ=1.0)")
     _log(f"wrote {out / 'report.json'}, {out / 'per_task.md'}, {out / 'pareto.png'} and {ckpt}/ "
          f"in {report['wall_seconds']:.0f}s")
-    return 0
 
 
 def _run_real(args, base: Path) -> int:
@@ -254,7 +258,7 @@ def _evaluate(mars_model, tokenizer, ar_model, ar_tokenizer, eval_examples, args
     and in verify mode; per-question hits for the intervals and the paired test; the quality-keeping τ."""
     from tqdm.auto import tqdm
 
-    from hf_mars.demo.data import score
+    from hf_mars.bench.tasks import score
 
     n_eval, eval_bs, B = len(eval_examples), 64, args.block_size
     with tqdm(total=n_eval * (2 + len(THRESHOLDS) + 1), desc="evaluating", unit="ex") as bar:
@@ -315,7 +319,7 @@ def _build_report(args, base, scores, timings, mars_train_s, ar_train_s) -> dict
     """The ``report.json`` dict (its keys are a contract: README, tests, `BenchmarkReport`, the model card)."""
     import torch
 
-    from hf_mars.demo.data import TASKS
+    from hf_mars.bench.tasks import TASKS
 
     n_eval, tau_star = scores["n"], scores["tau_star"]
     ar_res, sweep, verify_res = scores["ar"], scores["sweep"], scores["verify"]
@@ -361,7 +365,7 @@ def _build_report(args, base, scores, timings, mars_train_s, ar_train_s) -> dict
                      "base": str(base)},
         "num_examples": n_eval,
         "max_new_tokens": MAX_NEW_TOKENS,
-        "task": "hf_mars.demo.data held-out split (" + ", ".join(per_task) + ")",
+        "task": "hf_mars.bench.tasks held-out split (" + ", ".join(per_task) + ")",
         "device": f"CPU, {torch.get_num_threads()} threads",
         "command": "hf-mars demo" + (" --quick" if args.quick else ""),
         "description": "Tiny character-level Qwen2 fine-tuned with MARS by `hf-mars demo` on the bundled tasks.",

@@ -238,7 +238,7 @@ def _decoding(model, tokenizer, prompts, args, draft_vocab) -> dict:
 def _timing(model, tokenizer, prompts, args, draft_vocab) -> dict:
     """Seconds per setting, interleaved (``time_interleaved``): float32 at batch 1 and 4 (plain generate, each
     mode), and bfloat16 at batch 1 (plain generate and verify), on a bf16 copy of the model."""
-    from hf_mars.demo.timing import time_interleaved
+    from hf_mars.bench.timing import time_interleaved
 
     def _encode_batches(tokenizer, prompts, size):  # with the tokenizer's BOS, as the decoding runs encode them
         return [tokenizer(prompts[i:i + size], return_tensors="pt", padding=True) for i in range(0, len(prompts), size)]
@@ -278,7 +278,7 @@ def step_costs(model, widths=(1, 5, 9, 17), past_len: int = 32, repeats: int = 6
     import torch
     from transformers import DynamicCache
 
-    from hf_mars.demo.timing import _takes
+    from hf_mars.bench.timing import _takes
 
     body, head = model.get_decoder(), model.get_output_embeddings()
     vocab = min(1000, model.get_output_embeddings().weight.shape[0])

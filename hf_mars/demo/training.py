@@ -11,7 +11,7 @@ import time
 
 
 def _train_config(cls, output_dir, args, **extra):
-    from hf_mars.config import checkpointing_argument
+    from hf_mars.training.config import checkpointing_argument
 
     return cls(
         output_dir=str(output_dir),

@@ -280,6 +280,33 @@ def _add_admin_routes(app, manager, models, model: str, name: str, served_names:
         return JSONResponse({"status": "ok"})
 
 
+def _add_read_routes(app, name: str, served_names, metrics: Metrics) -> None:
+    """The GET routes: the model list and card (OpenAI's ``/v1/models``), ``/health`` and ``/metrics``."""
+    from fastapi.responses import Response
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    def model_card():
+        return {"id": name, "object": "model", "created": 0, "owned_by": "hf-mars"}
+
+    @app.get("/v1/models")
+    def _models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    def _model(model_id: str):
+        if model_id not in served_names:
+            raise HTTPError(404, f"The model {model_id!r} does not exist on this server.", "model_not_found")
+        return model_card()
+
+    @app.get("/health")
+    def _health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    def _metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
 def build_app(model: str, ladder: TauLadder, *, served_model_name: str | None = None, lossless: bool = False,
               max_batch_size: int = 8, max_queue: int = 256, max_prompt_tokens: int = 4096,
               max_tokens_limit: int = 1024, api_key: str | None = None, device: str = "auto", dtype: str = "auto",
@@ -288,8 +315,6 @@ def build_app(model: str, ladder: TauLadder, *, served_model_name: str | None = 
               template_timeout: float = 10.0, trust_request_chat_template: bool = False):
     """The FastAPI app: transformers serve's handlers on a `MARSBatchingManager`, behind our guard."""
     from fastapi import FastAPI
-    from fastapi.responses import Response
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
     from starlette.routing import Match
 
     from ..generation import enable_mars
@@ -333,27 +358,7 @@ def build_app(model: str, ladder: TauLadder, *, served_model_name: str | None = 
     for path, route in ROUTES.items():
         app.add_api_route(path, answering.endpoint(route), methods=["POST"])
 
-    def model_card():
-        return {"id": name, "object": "model", "created": 0, "owned_by": "hf-mars"}
-
-    @app.get("/v1/models")
-    def _models():
-        return {"object": "list", "data": [model_card()]}
-
-    @app.get("/v1/models/{model_id:path}")
-    def _model(model_id: str):
-        if model_id not in admission.served_names:
-            raise HTTPError(404, f"The model {model_id!r} does not exist on this server.", "model_not_found")
-        return model_card()
-
-    @app.get("/health")
-    def _health():
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    def _metrics():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
+    _add_read_routes(app, name, admission.served_names, metrics)
     if enable_admin:
         _add_admin_routes(app, manager, models, model, name, admission.served_names)
     return app
