@@ -21,7 +21,7 @@ Python blocks
     NOT_RUN lists the blocks that cannot run offline, with the reason; a block containing ILLUSTRATION is pure
     illustration. Both are compiled only. Any other block is run: a new block is never silently skipped.
 
-Shell commands (bash blocks and inline code)
+Shell commands (bash blocks and inline code, in README.md and in every docs/*.md page it links its details to)
     Every `hf-mars <cmd>` exists (`hf-mars <cmd> --help` exits 0, run in this process through hf_mars.cli.main, the
     `hf-mars` entry point) and its help lists every --flag the README uses with it; every repository path the README
     names exists; every pip extra `.[name]` is defined in pyproject.toml. Other bash blocks (pip, accelerate, lm_eval)
@@ -49,6 +49,7 @@ from servers import free_port, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]  # the README and the docs/ pages its sections point to
 TINY_BASE = ROOT / "hf_mars" / "demo" / "assets" / "tiny-base"
 KEY = "readme-test-key"
 
@@ -84,9 +85,9 @@ REPO_PATH = re.compile(r"(?<![\w./-])((?:examples|benchmarks|docs|tests|hf_mars|
 # --------------------------------------------------------------------------- reading the README
 
 
-def _blocks(language: str) -> list[tuple[int, str]]:
-    """(line number, text) of every fenced block of ``language``."""
-    out, lines = [], README.read_text(encoding="utf-8").splitlines()
+def _blocks(language: str, page: Path = README) -> list[tuple[int, str]]:
+    """(line number, text) of every fenced block of ``language`` in ``page``."""
+    out, lines = [], page.read_text(encoding="utf-8").splitlines()
     i = 0
     while i < len(lines):
         if lines[i].strip() == "```" + language:
@@ -117,17 +118,19 @@ def _server_line(line_no: int) -> str:
     return blocks[-1][0]
 
 
-def _inline_code() -> list[str]:
-    text = re.sub(r"```.*?```", "", README.read_text(encoding="utf-8"), flags=re.S)
+def _inline_code(page: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
     return re.findall(r"`([^`\n]+)`", text)
 
 
-def _command_lines() -> list[str]:
-    """Shell command lines: every bash line (continuations joined) and every inline code span."""
+def _command_lines(pages: list[Path] = PAGES) -> list[str]:
+    """Shell command lines of ``pages``: each bash line (continuations joined) and each inline code span."""
     lines = []
-    for _, text in BASH_BLOCKS:
-        lines += text.replace("\\\n", " ").splitlines()
-    return lines + _inline_code()
+    for page in pages:
+        for _, text in _blocks("bash", page):
+            lines += text.replace("\\\n", " ").splitlines()
+        lines += _inline_code(page)
+    return lines
 
 
 # --------------------------------------------------------------------------- the reader's folder
@@ -288,10 +291,10 @@ def test_stand_in_greedy_answers_are_the_readme_outputs(stand_ins):
 # --------------------------------------------------------------------------- shell commands
 
 
-def _hf_mars_commands() -> list[list[str]]:
-    """Token lists of every `hf-mars <sub-command> ...` in the README's command lines."""
+def _hf_mars_commands(pages: list[Path] = PAGES) -> list[list[str]]:
+    """Token lists of every `hf-mars <sub-command> ...` in the command lines of ``pages``."""
     out = []
-    for line in _command_lines():
+    for line in _command_lines(pages):
         for segment in re.split(r"&&|\|\||;|\|", line):
             try:
                 tokens = shlex.split(segment, comments=True)
@@ -309,7 +312,7 @@ def test_hf_mars_commands_and_flags_exist(capsys):
     scripts = _pyproject()["project"]["scripts"]
     assert scripts.get("hf-mars") == "hf_mars.cli:main"  # `hf-mars` is this entry point
     commands = _hf_mars_commands()
-    assert {t[1] for t in commands} >= {"demo", "bench", "push", "serve"}
+    assert {t[1] for t in _hf_mars_commands([README])} >= {"demo", "bench", "push", "serve"}
     helps = {}
     for tokens in commands:
         sub = tokens[1]
@@ -332,7 +335,7 @@ def test_repository_paths_exist():
     assert names
     # `benchmarks/sweep_common.speedups` names a function of benchmarks/sweep_common.py
     missing = sorted(n for n in names if not (ROOT / n).exists() and not (ROOT / n).with_suffix(".py").is_file())
-    assert not missing, f"README names paths that do not exist: {missing}"
+    assert not missing, f"README.md or docs/ name paths that do not exist: {missing}"
 
 
 def test_pip_extras_exist():
@@ -340,3 +343,33 @@ def test_pip_extras_exist():
     used = {e for line in _command_lines() for group in re.findall(r'\.\[([\w,-]+)\]', line)
             for e in group.split(",")}
     assert used and used <= set(extras), f"README installs extras pyproject.toml does not define: {used - set(extras)}"
+
+
+# --------------------------------------------------------------------------- links between the pages
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped (but - and _), spaces -> hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_relative_links_resolve():
+    """Every relative link of the README and docs/ pages names a file that exists and, with #anchor, a heading of
+    that page: the README's sections point to the docs their details moved to, and a renamed heading or moved page
+    must not leave a dead link."""
+    checked = 0
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            assert file.exists(), f"{page.relative_to(ROOT)} links to {target}, which does not exist"
+            if anchor and file.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", file.read_text(encoding="utf-8"),
+                                                            flags=re.S), flags=re.M)
+                assert anchor in {_anchor(h) for h in headings}, \
+                    f"{page.relative_to(ROOT)} links to {target}: no such heading in {file.name}"
+            checked += 1
+    assert checked
