@@ -373,3 +373,44 @@ def test_relative_links_resolve():
                     f"{page.relative_to(ROOT)} links to {target}: no such heading in {file.name}"
             checked += 1
     assert checked
+
+
+# --------------------------------------------------------------------------- statements the README makes
+
+
+def _prose(page: Path = README) -> str:
+    """The page's text outside code blocks, on one line (statements wrap across lines)."""
+    return " ".join(re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S).split())
+
+
+def test_ci_jobs_are_the_ones_the_readme_counts():
+    """The README says how many jobs `bash .ci/run` runs and names the files of its separate steps."""
+    script = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    jobs = re.findall(r'^echo "== (.+?) =="', script, flags=re.M)
+    words = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
+    prose = _prose()
+    assert f"`bash .ci/run` builds fresh virtual environments and runs {words[len(jobs)]} jobs" in prose, jobs
+    for test_file in ("tests/test_real_model.py", "tests/test_vllm.py"):  # the steps of their own
+        assert (test_file in script) == (f"`{test_file}`" in prose), test_file
+
+
+def test_an_explicit_tree_shape_with_sampling_is_accepted_as_the_readme_says(stand_ins):
+    """README "Decode": an explicit draft-tree shape with sampling is accepted (with a warning; tests/test_tree.py
+    checks the warning) and decodes, where the other cases it lists are errors."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_mars
+
+    assert ("An explicit shape with sampling (`do_sample=True`) is accepted with a warning and decodes with the "
+            "chain") in _prose()
+    folder = stand_ins["reader"] / "runs" / "demo" / "mars-checkpoint"
+    tokenizer, model = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder)
+    inputs = tokenizer("Reverse: abc", return_tensors="pt")
+    torch.manual_seed(0)
+    out = model.generate(**inputs, max_new_tokens=6, min_new_tokens=6, do_sample=True,
+                         custom_generate=hf_mars.mars_generate, mars_verify=True, mars_draft_tree="2,1")
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 6
+    with pytest.raises(ValueError, match="cannot be used with"):  # beside a history-reading processor: an error
+        model.generate(**inputs, max_new_tokens=6, repetition_penalty=1.5,
+                       custom_generate=hf_mars.mars_generate, mars_verify=True, mars_draft_tree="2,1")
