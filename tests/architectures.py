@@ -1,6 +1,6 @@
 """Tiny random configs of the decoder architectures people fine-tune, built from each model's own config class.
 
-Shared by tests/test_architectures.py and tests/compat_table.py (which renders the README's table).
+Shared by tests/test_architectures.py and tests/compat_table.py (which renders docs/architectures.md's table).
 Sliding-window models get a window of 6 positions, so prompts and generations run past it.
 """
 

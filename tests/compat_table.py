@@ -1,4 +1,4 @@
-"""Render the README's architecture table from a fresh run of tests/test_architectures.py.
+"""Render docs/architectures.md's architecture table from a fresh run of tests/test_architectures.py.
 
     python tests/compat_table.py            # runs the tests (about a minute on 2 cores), prints the table
 

@@ -1,7 +1,7 @@
 """MARS on the decoder architectures people use: training consistency, decoding equivalences, the Hub path.
 
 Each architecture is a tiny random config built from the model's own config class (tests/architectures.py).
-`python tests/compat_table.py` renders the README's compatibility table from these tests' outcomes.
+`python tests/compat_table.py` renders docs/architectures.md's compatibility table from these tests' outcomes.
 """
 
 import random

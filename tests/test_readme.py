@@ -21,7 +21,7 @@ Python blocks
     NOT_RUN lists the blocks that cannot run offline, with the reason; a block containing ILLUSTRATION is pure
     illustration. Both are compiled only. Any other block is run: a new block is never silently skipped.
 
-Shell commands (bash blocks and inline code)
+Shell commands (bash blocks and inline code, in README.md and in every docs/*.md page it links its details to)
     Every `hf-mars <cmd>` exists (`hf-mars <cmd> --help` exits 0, run in this process through hf_mars.cli.main, the
     `hf-mars` entry point) and its help lists every --flag the README uses with it; every repository path the README
     names exists; every pip extra `.[name]` is defined in pyproject.toml. Other bash blocks (pip, accelerate, lm_eval)
@@ -49,6 +49,7 @@ from servers import free_port, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]  # the README and the docs/ pages its sections point to
 TINY_BASE = ROOT / "hf_mars" / "demo" / "assets" / "tiny-base"
 KEY = "readme-test-key"
 
@@ -84,9 +85,9 @@ REPO_PATH = re.compile(r"(?<![\w./-])((?:examples|benchmarks|docs|tests|hf_mars|
 # --------------------------------------------------------------------------- reading the README
 
 
-def _blocks(language: str) -> list[tuple[int, str]]:
-    """(line number, text) of every fenced block of ``language``."""
-    out, lines = [], README.read_text(encoding="utf-8").splitlines()
+def _blocks(language: str, page: Path = README) -> list[tuple[int, str]]:
+    """(line number, text) of every fenced block of ``language`` in ``page``."""
+    out, lines = [], page.read_text(encoding="utf-8").splitlines()
     i = 0
     while i < len(lines):
         if lines[i].strip() == "```" + language:
@@ -117,17 +118,19 @@ def _server_line(line_no: int) -> str:
     return blocks[-1][0]
 
 
-def _inline_code() -> list[str]:
-    text = re.sub(r"```.*?```", "", README.read_text(encoding="utf-8"), flags=re.S)
+def _inline_code(page: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
     return re.findall(r"`([^`\n]+)`", text)
 
 
-def _command_lines() -> list[str]:
-    """Shell command lines: every bash line (continuations joined) and every inline code span."""
+def _command_lines(pages: list[Path] = PAGES) -> list[str]:
+    """Shell command lines of ``pages``: each bash line (continuations joined) and each inline code span."""
     lines = []
-    for _, text in BASH_BLOCKS:
-        lines += text.replace("\\\n", " ").splitlines()
-    return lines + _inline_code()
+    for page in pages:
+        for _, text in _blocks("bash", page):
+            lines += text.replace("\\\n", " ").splitlines()
+        lines += _inline_code(page)
+    return lines
 
 
 # --------------------------------------------------------------------------- the reader's folder
@@ -288,10 +291,10 @@ def test_stand_in_greedy_answers_are_the_readme_outputs(stand_ins):
 # --------------------------------------------------------------------------- shell commands
 
 
-def _hf_mars_commands() -> list[list[str]]:
-    """Token lists of every `hf-mars <sub-command> ...` in the README's command lines."""
+def _hf_mars_commands(pages: list[Path] = PAGES) -> list[list[str]]:
+    """Token lists of every `hf-mars <sub-command> ...` in the command lines of ``pages``."""
     out = []
-    for line in _command_lines():
+    for line in _command_lines(pages):
         for segment in re.split(r"&&|\|\||;|\|", line):
             try:
                 tokens = shlex.split(segment, comments=True)
@@ -309,7 +312,7 @@ def test_hf_mars_commands_and_flags_exist(capsys):
     scripts = _pyproject()["project"]["scripts"]
     assert scripts.get("hf-mars") == "hf_mars.cli:main"  # `hf-mars` is this entry point
     commands = _hf_mars_commands()
-    assert {t[1] for t in commands} >= {"demo", "bench", "push", "serve"}
+    assert {t[1] for t in _hf_mars_commands([README])} >= {"demo", "bench", "push", "serve"}
     helps = {}
     for tokens in commands:
         sub = tokens[1]
@@ -332,7 +335,7 @@ def test_repository_paths_exist():
     assert names
     # a dotted name such as `benchmarks/module.function` names a function of benchmarks/module.py
     missing = sorted(n for n in names if not (ROOT / n).exists() and not (ROOT / n).with_suffix(".py").is_file())
-    assert not missing, f"README names paths that do not exist: {missing}"
+    assert not missing, f"README.md or docs/ name paths that do not exist: {missing}"
 
 
 def test_pip_extras_exist():
@@ -340,3 +343,74 @@ def test_pip_extras_exist():
     used = {e for line in _command_lines() for group in re.findall(r'\.\[([\w,-]+)\]', line)
             for e in group.split(",")}
     assert used and used <= set(extras), f"README installs extras pyproject.toml does not define: {used - set(extras)}"
+
+
+# --------------------------------------------------------------------------- links between the pages
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped (but - and _), spaces -> hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_relative_links_resolve():
+    """Every relative link of the README and docs/ pages names a file that exists and, with #anchor, a heading of
+    that page: the README's sections point to the docs their details moved to, and a renamed heading or moved page
+    must not leave a dead link."""
+    checked = 0
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            assert file.exists(), f"{page.relative_to(ROOT)} links to {target}, which does not exist"
+            if anchor and file.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", file.read_text(encoding="utf-8"),
+                                                            flags=re.S), flags=re.M)
+                assert anchor in {_anchor(h) for h in headings}, \
+                    f"{page.relative_to(ROOT)} links to {target}: no such heading in {file.name}"
+            checked += 1
+    assert checked
+
+
+# --------------------------------------------------------------------------- statements the README makes
+
+
+def _prose(page: Path = README) -> str:
+    """The page's text outside code blocks, on one line (statements wrap across lines)."""
+    return " ".join(re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S).split())
+
+
+def test_ci_jobs_are_the_ones_the_readme_counts():
+    """The README says how many jobs `bash .ci/run` runs and names the files of its separate steps."""
+    script = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    jobs = re.findall(r'^echo "== (.+?) =="', script, flags=re.M)
+    words = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
+    prose = _prose()
+    assert f"`bash .ci/run` builds fresh virtual environments and runs {words[len(jobs)]} jobs" in prose, jobs
+    for test_file in ("tests/test_real_model.py", "tests/test_vllm.py"):  # the steps of their own
+        assert (test_file in script) == (f"`{test_file}`" in prose), test_file
+
+
+def test_an_explicit_tree_shape_with_sampling_is_accepted_as_the_readme_says(stand_ins):
+    """README "Decode": an explicit draft-tree shape with sampling is accepted (with a warning; tests/test_tree.py
+    checks the warning) and decodes, where the other cases it lists are errors."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_mars
+
+    assert ("An explicit shape with sampling (`do_sample=True`) is accepted with a warning and decodes with the "
+            "chain") in _prose()
+    folder = stand_ins["reader"] / "runs" / "demo" / "mars-checkpoint"
+    tokenizer, model = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder)
+    inputs = tokenizer("Reverse: abc", return_tensors="pt")
+    torch.manual_seed(0)
+    out = model.generate(**inputs, max_new_tokens=6, min_new_tokens=6, do_sample=True,
+                         custom_generate=hf_mars.mars_generate, mars_verify=True, mars_draft_tree="2,1")
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 6
+    with pytest.raises(ValueError, match="cannot be used with"):  # beside a history-reading processor: an error
+        model.generate(**inputs, max_new_tokens=6, repetition_penalty=1.5,
+                       custom_generate=hf_mars.mars_generate, mars_verify=True, mars_draft_tree="2,1")

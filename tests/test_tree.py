@@ -264,7 +264,7 @@ def test_an_asked_for_tree_is_refused_clearly(peaky, case):
 
 
 def test_sampling_with_an_asked_for_tree_uses_the_chain(peaky, caplog):
-    """Accepted with a warning, not refused (the README's "Draft trees" says so)."""
+    """Accepted with a warning, not refused (the README's "Decode" and docs/generation.md's "Draft trees" say so)."""
     from transformers.utils import logging as hf_logging
 
     model, tok = peaky
