@@ -416,7 +416,7 @@ def gemma3_checkpoint(tmp_path_factory):
     from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
     from hf_mars import MARSConfig, MARSTrainer, add_mask_token
-    from hf_mars.demo.tiny import build_char_tokenizer
+    from hf_mars.testing_utils import build_char_tokenizer
 
     tok = build_char_tokenizer()
     torch.manual_seed(0)
