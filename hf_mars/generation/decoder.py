@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from ._compat import compiles_on_any_device, default_compile_config
 from .cache import RollbackCache
 from .clients import history_free, sort_clients
 from .config import config_value, mask_token_id, text_config
@@ -145,11 +146,10 @@ class MARSDecoder:
         self.prefill_forward = self.read_forward = None
         compile_config = getattr(generation_config, "compile_config", None)
         wants = self.cache.static and not getattr(generation_config, "disable_compile", False) and (
-            self.device.type in ("cuda", "xpu", "neuron", "tpu")
-            or bool(compile_config is not None and getattr(compile_config, "_compile_all_devices", None)))
+            self.device.type in ("cuda", "xpu", "neuron", "tpu") or compiles_on_any_device(compile_config))
         if wants and getattr(self.cache.cache, "is_compileable", False) and (
                 getattr(getattr(model, "hf_quantizer", None), "is_compileable", True)):
-            compile_config = compile_config or model._default_compile_config()
+            compile_config = compile_config or default_compile_config(model)
             self.decode_forward = GuardedSteps(compiled_decode_call(model, compile_config), opts.guard_every_step)
             if opts.compile_prefill:
                 self.prefill_forward = compiled_prefill_call(model, compile_config)

@@ -62,19 +62,7 @@ def merge(dec, other) -> None:
     """Take another generation's rows into ``dec``'s batch, between steps. Each side's cache columns are left-padded
     to the longer one and masked: keys carry their rotary positions and a row's position ids follow its own
     real-token count, so no row's attention changes."""
-    mine, theirs = dec.cache, other.cache
-    width = max(mine.length, theirs.length)
-
-    def padded(t, length):  # (rows, heads, columns, dim), left-padded to `width` columns
-        return torch.nn.functional.pad(t, (0, 0, width - length, 0))
-
-    for a, b in zip(mine.cache.layers, theirs.cache.layers):
-        a.keys = torch.cat([padded(a.keys, mine.length), padded(b.keys, theirs.length)])
-        a.values = torch.cat([padded(a.values, mine.length), padded(b.values, theirs.length)])
-    masks = [c.attn if c.attn is not None else torch.ones(c.batch, c.length, dtype=torch.long, device=dec.device)
-             for c in (mine, theirs)]
-    mine.attn = torch.cat([torch.nn.functional.pad(m, (width - m.shape[1], 0)) for m in masks])
-    mine.length, mine.batch = width, mine.batch + theirs.batch
+    dec.cache.append_rows(other.cache, dec.device)
     if dec.q_drafts is not None or other.q_drafts is not None:  # verify sampling: the drafts' distributions
         vocab = next(d.q_drafts.shape[-1] for d in (dec, other) if d.q_drafts is not None)
         dec.q_drafts = torch.cat([d.q_drafts if d.q_drafts is not None else torch.zeros(
@@ -91,15 +79,12 @@ def merge(dec, other) -> None:
 def keep_rows(dec, keep: list) -> None:
     """Only the rows ``keep`` go on (finished or cancelled ones leave the batch), their cache rows with them."""
     index = to_device(keep, dec.device)
-    for layer in dec.cache.cache.layers:
-        layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
-    if dec.cache.attn is not None:
-        dec.cache.attn = dec.cache.attn.index_select(0, index)
+    dec.cache.select_rows(index)
     if dec.q_drafts is not None:
         dec.q_drafts = dec.q_drafts.index_select(0, index)
     dec.rows.select(keep)
     dec.prompt_real_host = [dec.prompt_real_host[i] for i in keep]
-    dec.batch = dec.cache.batch = len(keep)
+    dec.batch = len(keep)
     if dec.row_tau is not None:
         dec.set_row_taus([dec.row_tau[i] for i in keep])
 

@@ -23,6 +23,7 @@ import functools
 import torch
 from transformers.utils import logging as _hf_logging
 
+from ._compat import attn_implementation
 from .clients import history_free
 from .decoder import MARSDecoder
 from .plan import plan_step, to_device
@@ -128,7 +129,7 @@ def shape_of(opts, max_drafts: int) -> tuple:
 
 def refusal(dec) -> str | None:
     """Why this call cannot decode with a tree (None: it can)."""
-    attention = getattr(dec.model.config, "_attn_implementation", None) or "eager"
+    attention = attn_implementation(dec.model.config)
     if dec.do_sample:
         return ("sampling (exact multi-candidate speculative sampling is not implemented; the chain's speculative "
                 "sampling keeps the target distribution)")
