@@ -91,7 +91,7 @@ def _time_in_place(prompts, mars):
     t = dict(total=0.0, preparation=0.0, setup=0.0, run=0.0, prefill=0.0, decode=0.0, graph=0.0, steps=0)
     marks = {}
     start_decoder, run = api.start_decoder, decoder.MARSDecoder.run
-    forwards = {name: getattr(decoder.MARSDecoder, name) for name in ("_forward", "_forward_read")}
+    forwards = {name: getattr(decoder.MARSDecoder, name) for name in ("forward", "forward_read")}
     graph_call = output_code.CompiledFxGraph.__call__
 
     def timed_start(*a, **k):
@@ -106,7 +106,7 @@ def _time_in_place(prompts, mars):
         t["run"] += time.perf_counter() - t0
         return out
 
-    def timed(forward):  # a step's forward (`_forward_read`: a compiled step that reads its slots in the graph)
+    def timed(forward):  # a step's forward (`forward_read`: a compiled step that reads its slots in the graph)
         def timed_forward(self, plan, *a, **k):
             marks["decoding"] = not plan.first
             t0 = time.perf_counter()

@@ -15,7 +15,7 @@ import threading
 import torch
 
 from ._compat import compile_stance_is_default, never_compiled
-from .rules import choose, confidence, take_columns
+from .rules import choose, confident, take_columns
 
 
 @functools.lru_cache(maxsize=64)
@@ -42,8 +42,8 @@ def _read_call(model, slot_cols, suppress, tau, acceptance, **kwargs):
     slots = take_columns(logits, slot_cols).float()
     slots = slots.index_fill(-1, suppress, -math.inf)
     chosen = choose(slots, False)
-    confident = confidence(acceptance, chosen, slots, of_distribution=True) >= tau
-    return torch.cat([chosen.view(-1), confident.view(-1)])
+    sure = confident(acceptance, chosen, tau, slots, of_distribution=True)
+    return torch.cat([chosen.view(-1), sure.view(-1)])
 
 
 def _prefill_call(model, **kwargs):  # the same call, another code object: Dynamo counts recompiles per code object
@@ -126,6 +126,9 @@ def _alone() -> bool:
     process-wide stance (a daemon thread doing so is the one case this cannot see: `GuardedSteps`)."""
     current = threading.current_thread()
     return all(thread is current or thread.daemon for thread in threading.enumerate())
+
+
+_stance_is_default = compile_stance_is_default  # (the name tests/test_compat.py checks torch's stance record by)
 
 
 class GuardedSteps:
