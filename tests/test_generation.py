@@ -149,36 +149,6 @@ def test_verify_equals_greedy_flat_model_batch1(flat):
     assert torch.equal(out, ref)
 
 
-def _naive_mars(model, ids, mask_id, B, tau, max_new, eos, cache="sliding", C=16, last=False):
-    """The method (docs/method.md), literally: one row, no cache, full forward over [committed | masks] per step."""
-    x, n, forwards = list(ids), 0, 0
-    K = B + 1 if last else B
-    while n < max_new:
-        m = n % C
-        nm = C - m if cache == "block" else B
-        with torch.no_grad():
-            logits = model(torch.tensor([x + [mask_id] * nm])).logits[0].float()
-        forwards += 1
-        S = 1 + min(K - 1, nm)
-        if cache != "sliding":
-            S = min(S, C - m)
-        S = min(S, max_new - n)
-        run = []
-        for s in range(S):
-            lg = logits[len(x) - 1 + s].clone()
-            lg[mask_id] = -math.inf
-            t = int(lg.argmax())
-            if s > 0 and torch.softmax(lg, -1)[t] < tau:
-                break
-            run.append(t)
-        for t in run:
-            x.append(t)
-            n += 1
-            if t in eos:
-                return x[len(ids):], forwards
-    return x[len(ids):], forwards
-
-
 @pytest.mark.parametrize(
     "tau,B,cache,last",
     [(0.3, 4, "sliding", False), (0.6, 2, "sliding", True), (0.3, 4, "block", True), (0.6, 4, "block", False),
@@ -194,8 +164,9 @@ def test_batched_equals_per_row_reference(peaky, tau, B, cache, last):
     mask_id = model.config.mars["mask_token_id"]
     counts = set()
     for r, prompt in enumerate(PROMPTS):
-        ref, forwards = _naive_mars(model, tok(prompt).input_ids, mask_id, B, tau, 24, {tok.eos_token_id}, cache, 6,
-                                    last)
+        ref, forwards = gen.reference_decode(model, tok(prompt).input_ids, mask_id, block_size=B, threshold=tau,
+                                             max_new_tokens=24, eos_token_ids=(tok.eos_token_id,), use_last_mask=last,
+                                             cache=cache, cache_block=6)
         assert out.sequences[r, P:P + len(ref)].tolist() == ref
         assert (out.sequences[r, P + len(ref):] == tok.pad_token_id).all()
         assert int(out.mars_emitted_tokens[r]) == len(ref)
@@ -643,7 +614,8 @@ def test_eager_attention_batched(make_model):
     P = enc.input_ids.shape[1]
     mask_id = model.config.mars["mask_token_id"]
     for r, prompt in enumerate(PROMPTS):
-        ref, _ = _naive_mars(model, tok(prompt).input_ids, mask_id, 4, 0.3, 24, {tok.eos_token_id})
+        ref, _ = gen.reference_decode(model, tok(prompt).input_ids, mask_id, block_size=4, threshold=0.3,
+                                      max_new_tokens=24, eos_token_ids=(tok.eos_token_id,))
         assert out[r, P:P + len(ref)].tolist() == ref
 
 
@@ -664,16 +636,14 @@ def test_verify_sampling_exact_with_history_processors():
 
 
 @pytest.mark.parametrize("tau,last", [(1.0, False), (0.3, False), (0.6, True), (0.0, False)])
-def test_library_reference_loop_matches_fast_loop_and_test_reference(peaky, tau, last):
-    """`reference_decode` (the algorithm in one screen) == the test's own naive loop == the fast cached loop."""
+def test_library_reference_loop_matches_fast_loop(peaky, tau, last):
+    """`reference_decode` (the algorithm in one screen) == the fast cached loop, tokens and forwards."""
     model, tok = peaky
     mask_id = model.config.mars["mask_token_id"]
     for prompt in PROMPTS:
         ids = tok(prompt).input_ids
         ref, ref_fwd = gen.reference_decode(model, ids, mask_id, block_size=4, threshold=tau, max_new_tokens=MAX_NEW,
                                             eos_token_ids=(tok.eos_token_id,), use_last_mask=last)
-        naive, naive_fwd = _naive_mars(model, ids, mask_id, 4, tau, MAX_NEW, {tok.eos_token_id}, last=last)
-        assert (ref, ref_fwd) == (naive, naive_fwd)
         out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
                              mars_threshold=tau, mars_block_size=4, mars_use_last_mask=last,
                              return_dict_in_generate=True)

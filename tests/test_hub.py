@@ -326,8 +326,8 @@ def _with_training_junk(folder: Path, tmp_path: Path) -> Path:
 
 EXPECTED_FILES = sorted(["README.md", "chat_template.jinja", "config.json", "custom_generate/requirements.txt",
                          "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
-                        + [f"custom_generate/{name}.py" for name in ("api", "cache", "clients", "config", "decoder",
-                                                                       "draft_vocab", "exact", "forward", "generate", "plan", "rules",
+                        + [f"custom_generate/{name}.py" for name in ("_compat", "api", "cache", "clients", "config", "decoder",
+                                                                       "draft_vocab", "exact", "forward", "generate", "plan", "proposers", "rules",
                                                                        "state", "tree")])
 
 

@@ -3,9 +3,9 @@
 Chat answers are often 10-40 tokens, so a call's fixed set-up weighs as much as its loop. This times, per call at
 batch 1, three ways to get the same answer from a MARS checkpoint:
 
-- ``reference``: the MARS sampler as the method's authors run it (`no_cache_decode`): no KV cache, every step
-  forwards the whole sequence ``[prompt | generated | B masks]`` under a dense causal mask and accepts candidates
-  left to right while confident. It is the yardstick a user would compare against.
+- ``reference``: the MARS sampler as the method's authors run it (`no_cache_decode`, the library's
+  `reference_decode`): no KV cache, every step forwards the whole sequence ``[prompt | generated | masks]`` and
+  accepts candidates left to right while confident. It is the yardstick a user would compare against.
 - ``mars``: ``generate(mars=True, mars_threshold=tau)`` (and, with ``static_compile``, the same on a static cache
   with decode steps and the prefill compiled: ``mars_compile_prefill``);
 - ``plain``: plain greedy ``generate``.
@@ -23,37 +23,15 @@ import time
 
 import torch
 
+from hf_mars.generation.rules import reference_decode
 
-@torch.no_grad()
+
 def no_cache_decode(model, prompt_ids, mask_token_id, block_size, threshold, max_new_tokens, eos_token_ids):
-    """MARS decoding without a KV cache, one prompt: returns (new tokens, forwards).
-
-    Each step forwards ``[prompt | new | B masks]`` in full; candidate 0 is the AR prediction at the last committed
-    token, candidates 1..B-1 are read at the masks. It accepts candidate 0 and then candidates while the chosen
-    token's probability is >= ``threshold`` (tau >= 1: exactly one per step), up to the length limit; the answer
-    ends after its first EOS."""
-    device = next(model.parameters()).device
-    new, forwards, eos = [], 0, set(eos_token_ids)
-    masks = [mask_token_id] * block_size
-    while len(new) < max_new_tokens:
-        x = torch.tensor([list(prompt_ids) + new + masks], device=device)
-        T = x.shape[1]
-        causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
-        logits = model(input_ids=x, attention_mask=causal, position_ids=torch.arange(T, device=device)[None]).logits
-        forwards += 1
-        probs = logits[0, T - block_size - 1:T - 1].float().softmax(-1)  # candidate 0, then masks 1..B-1
-        confidence, tokens = probs.max(-1)
-        accept = 1
-        limit = min(block_size, max_new_tokens - len(new)) if threshold < 1.0 else 1
-        for c in confidence[1:limit].tolist():
-            if c < threshold:
-                break
-            accept += 1
-        for token in tokens[:accept].tolist():
-            new.append(token)
-            if token in eos:
-                return new, forwards
-    return new, forwards
+    """MARS decoding without a KV cache, one prompt: the library's reference loop (`reference_decode`: each step
+    forwards ``[prompt | new | masks]`` in full and accepts candidates while confident). Returns (new tokens,
+    forwards)."""
+    return reference_decode(model, prompt_ids, mask_token_id, block_size=block_size, threshold=threshold,
+                            max_new_tokens=max_new_tokens, eos_token_ids=tuple(eos_token_ids))
 
 
 def _answer(tokens, eos_ids):

@@ -5,13 +5,18 @@ package ships inside every MARS checkpoint as ``custom_generate/``, see `hf_mars
 
 - `config`: `MARSGenerationConfig`, the ``mars_*`` options, their defaults and checks; the checkpoint metadata.
 - `clients`: which logits processors and stopping criteria keep state, and what they may be shown.
-- `rules`: the acceptance rules, each written once, and `reference_decode`, the algorithm in one screen.
+- `rules`: the acceptance rules, each written once (the device-side variants beside them), and
+  `reference_decode`, the algorithm in one screen: the tests and the short-answer bench hold the loop to it.
+- `proposers`: who lays out a step (threshold candidates / verify chain, a draft tree's root and its steps) and
+  `choose_layout`, the one point where a step's layout is chosen.
 - `plan`: a step's per-row counts and its chunk, laid out on the host.
 - `cache`: the KV cache's rollback (crop, 2D mask, compaction, static caches).
-- `decoder`: the rows of one generation and the step loop; `exact`: the path for stateful clients.
+- `decoder`: the rows of one generation and its one step (plan, forward, read, accept, roll back, commit);
+  `state`: its per-row state (`Rows`); `exact`: the path for stateful clients.
 - `tree`: verify mode over draft trees (several candidates per depth, masks after every node).
 - `engine`: rows that join and leave a running batch (in-flight batching for servers).
 - `api`: `mars_generate`, `enable_mars` and the routing of ``generate``.
+- `_compat`: every transformers internal the decoder reads (checked by tests/test_generation_contract.py).
 """
 
 from .api import MARSGenerateOutput, enable_mars, generate, mars_generate

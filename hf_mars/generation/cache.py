@@ -17,6 +17,16 @@ from transformers.cache_utils import (
     StaticLayer,
 )
 
+from ._compat import (
+    is_static,
+    layer_tensors,
+    record_sliding_past,
+    resize_unallocated_static,
+    set_layer_tensors,
+    shift_static_length,
+    static_capacity,
+)
+
 COMPACT_THRESHOLD = 0.1  # batched caches are compacted once masked pad columns exceed this share of them
 STATIC_CACHE_SUPPORTED = hasattr(StaticLayer, "crop")
 ROLLBACK_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer) + ((StaticLayer,) if STATIC_CACHE_SUPPORTED else ())
@@ -65,12 +75,12 @@ class RollbackCache:
         # they keep their past until each crop (rollback), and batch rows move in lockstep (no ragged columns)
         self.sliding = DynamicSlidingWindowLayer in kinds
         if self.sliding:
-            cache.activate_past_recording()
+            record_sliding_past(cache)
         # a static cache holds a fixed number of columns: it must fit the prompt, the new tokens and one step's
         # masks / drafts beyond them (ragged rows' masked columns are compacted away in place to keep that room)
         self.static = StaticLayer in kinds
         if self.static:
-            capacity = min(layer.max_cache_len for layer in layers)
+            capacity = min(static_capacity(layer) for layer in layers)
             if cache.get_seq_length() > 0:  # a cache that holds a prefix is used as it is
                 if capacity < needed:
                     raise ValueError(
@@ -78,14 +88,11 @@ class RollbackCache:
                         f"tokens + one step's masks and drafts). Pass StaticCache(config, max_cache_len={needed}).")
             else:  # an empty one (generate's, sized for this call's plain decoding): see `static_cache_length`
                 size = static_cache_length(model, generation_config, needed)
-                if capacity != size and not getattr(cache, "offloading", False) and all(
-                        type(layer) is StaticLayer and not layer.is_initialized for layer in layers):
-                    for layer in layers:  # a layer allocates its tensors at its first update, this many positions
-                        layer.max_cache_len = size  # (building another StaticCache: ~0.14 ms of Python per call)
-                elif capacity != size:
+                if capacity != size and (getattr(cache, "offloading", False)
+                                         or not resize_unallocated_static(layers, size)):
                     cache = StaticCache(config=model.config, max_cache_len=size)
         self.cache = cache
-        self.static_len = min(layer.max_cache_len for layer in cache.layers) if self.static else 0
+        self.static_len = min(static_capacity(layer) for layer in cache.layers) if self.static else 0
         self.batch = batch
         self.attn = None
         self.length = 0
@@ -113,14 +120,16 @@ class RollbackCache:
         order (a draft tree's accepted path: not a suffix to crop, so gathered; ``kept_real``: which are real)."""
         idx = index[:, None, :, None]
         for layer in self.cache.layers:
-            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            tensors = layer_tensors(layer)
+            if tensors is None:
                 continue
-            start = layer.keys.shape[2] - width
-            for name in ("keys", "values"):
-                full = getattr(layer, name)
+            kept = []
+            for full in tensors:
+                start = full.shape[2] - width
                 chunk = full[:, :, start:]
                 picked = chunk.gather(2, idx.expand(-1, chunk.shape[1], -1, chunk.shape[3]))
-                setattr(layer, name, torch.cat([full[:, :, :start], picked], dim=2))
+                kept.append(torch.cat([full[:, :, :start], picked], dim=2))
+            set_layer_tensors(layer, *kept)
         self._append(kept_real, index.shape[1], device)
 
     def _append(self, kept_real, keep: int, device) -> None:
@@ -135,6 +144,31 @@ class RollbackCache:
                 past = torch.ones(self.batch, self.length, dtype=torch.long, device=device)
             self.attn = torch.cat([past, kept_real.long()], dim=1)
         self.length += keep
+
+    def append_rows(self, other: RollbackCache, device) -> None:
+        """Take another generation's cache rows below these (between steps). Each side's columns are left-padded
+        to the longer one and masked: keys carry their rotary positions, so no row's attention changes."""
+        width = max(self.length, other.length)
+
+        def padded(t, length):  # (rows, heads, columns, dim), left-padded to `width` columns
+            return torch.nn.functional.pad(t, (0, 0, width - length, 0))
+
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            a, b = layer_tensors(mine), layer_tensors(theirs)
+            set_layer_tensors(mine, *(torch.cat([padded(x, self.length), padded(y, other.length)])
+                                              for x, y in zip(a, b)))
+        masks = [c.attn if c.attn is not None else torch.ones(c.batch, c.length, dtype=torch.long, device=device)
+                 for c in (self, other)]
+        self.attn = torch.cat([torch.nn.functional.pad(m, (width - m.shape[1], 0)) for m in masks])
+        self.length, self.batch = width, self.batch + other.batch
+
+    def select_rows(self, index) -> None:
+        """Keep only the rows ``index`` (a device tensor) names, in that order."""
+        for layer in self.cache.layers:
+            set_layer_tensors(layer, *(t.index_select(0, index) for t in layer_tensors(layer)))
+        if self.attn is not None:
+            self.attn = self.attn.index_select(0, index)
+        self.batch = index.shape[0]
 
     def compact(self, longest: int, threshold: float = COMPACT_THRESHOLD, room: int = 0) -> bool:
         """Move each row's real columns to the right end and drop the columns that are padding in every row, once
@@ -151,17 +185,18 @@ class RollbackCache:
         order = torch.argsort(self.attn, dim=1, stable=True)[:, waste:]  # pads first, real columns in order
         idx = order[:, None, :, None]
         for layer in self.cache.layers:
-            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            tensors = layer_tensors(layer)
+            if tensors is None:
                 continue
-            for name in ("keys", "values"):
-                full = getattr(layer, name)
-                picked = full[:, :, :self.length].gather(2, idx.expand(-1, full.shape[1], -1, full.shape[3]))
-                if type(layer) is StaticLayer:
-                    full[:, :, :longest].copy_(picked)
-                else:
-                    setattr(layer, name, picked)
-            if type(layer) is StaticLayer:
-                layer.cumulative_length.sub_(waste)
+            static = is_static(layer)
+            picked = [full[:, :, :self.length].gather(2, idx.expand(-1, full.shape[1], -1, full.shape[3]))
+                      for full in tensors]
+            if static:  # in place: compiled graphs read the tensors at their addresses
+                for full, part in zip(tensors, picked):
+                    full[:, :, :longest].copy_(part)
+                shift_static_length(layer, waste)
+            else:
+                set_layer_tensors(layer, *picked)
         self.attn = self.attn.gather(1, order)
         self.length -= waste
         return True

@@ -14,6 +14,8 @@ import torch
 from transformers.generation import logits_process as _lp
 from transformers.generation import stopping_criteria as _sc
 
+from ._compat import criterion_eos_ids, criterion_max_length, suppressed_ids
+
 
 def _present(module, names):
     return tuple(cls for cls in (getattr(module, name, None) for name in names) if cls is not None)
@@ -90,7 +92,7 @@ def sort_clients(logits_processor, stopping_criteria, mask_token_id: int, output
     suppressed, kept = {mask_token_id}, []
     for proc in logits_processor if logits_processor is not None else []:
         if type(proc) is _lp.SuppressTokensLogitsProcessor:
-            suppressed.update(_ids(proc.suppress_tokens))
+            suppressed.update(_ids(suppressed_ids(proc)))
         else:
             kept.append(proc)
     pure = [is_stateless(p, STATELESS_PROCESSORS) for p in kept]
@@ -98,9 +100,10 @@ def sort_clients(logits_processor, stopping_criteria, mask_token_id: int, output
     eos_ids, max_length, other = [], None, []
     for crit in stopping_criteria if stopping_criteria is not None else []:
         if isinstance(crit, _sc.EosTokenCriteria):
-            eos_ids.extend(_ids(crit.eos_token_id))
+            eos_ids.extend(_ids(criterion_eos_ids(crit)))
         elif isinstance(crit, _sc.MaxLengthCriteria):
-            max_length = crit.max_length if max_length is None else min(max_length, crit.max_length)
+            limit = criterion_max_length(crit)
+            max_length = limit if max_length is None else min(max_length, limit)
         else:
             other.append(crit)
     stateful_criteria = [c for c in other if not is_stateless(c, STATELESS_CRITERIA)]

@@ -15,11 +15,11 @@ import math
 
 import torch
 
+from ._compat import compiles_on_any_device, default_compile_config
 from .cache import RollbackCache
 from .clients import history_free, sort_clients
 from .config import config_value, mask_token_id, text_config
 from .draft_vocab import DraftVocabulary
-from .exact import decide_exact
 from .forward import (
     GuardedSteps,
     compiled_decode_call,
@@ -28,18 +28,21 @@ from .forward import (
     pad_prefill,
     takes_logits_to_keep,
 )
-from .plan import device_constant, plan_step, positions, to_device
+from .plan import device_constant, positions, to_device
+from .proposers import choose_layout
 from .rules import (
     Decision,
     choose,
-    confidence,
+    confident,
     cut_at_stop,
     lockstep,
+    one_token,
     proposed_drafts,
     speculative_sample,
+    stops,
     take_columns,
     threshold_run,
-    verified_drafts,
+    verify_row,
 )
 from .state import Rows, Shape, SlotRead
 
@@ -80,23 +83,24 @@ class MARSDecoder:
         if pad is None and self.clients.eos_ids:
             pad = self.clients.eos_ids[0]
         self.pad = pad if isinstance(pad, int) else int(torch.as_tensor(pad).flatten()[0]) if pad is not None else 0
-        one_token = opts.threshold >= 1.0
+        single = one_token(opts.threshold)
         candidates = opts.block_size + 1 if opts.use_last_mask else opts.block_size
-        self.shape = Shape(candidates=candidates, max_drafts=0 if one_token else candidates - 1,
-                           one_token=one_token, block=opts.cache in ("block", "block_trained"), chunk=opts.cache_block)
+        self.shape = Shape(candidates=candidates, max_drafts=0 if single else candidates - 1,
+                           one_token=single, block=opts.cache in ("block", "block_trained"), chunk=opts.cache_block)
         # candidate slots a step can read: verify's pending drafts, the AR token and the new drafts
         self.max_slots = max_slots = 2 * self.shape.max_drafts + 1 if opts.verify else candidates
         self.buf_len = P + max(self.max_new, 0) + max_slots + 2
         self.step_room = 3 * candidates + 2  # cache columns one step may write (an upper bound)
         self.cache = RollbackCache(model, generation_config, model_kwargs.get(cache_key(model_kwargs)), b,
                                    needed=P + max(self.max_new, 0) + self.step_room)
-        self._prepare_prompt(input_ids, model_kwargs.get("attention_mask"), max_slots)
+        prompt_tokens = self._prepare_prompt(input_ids, model_kwargs.get("attention_mask"), max_slots)
         self._prepare_forward(generation_config, model_kwargs)
-        self.rows = Rows.new(b, P, self.max_new)
-        self.row_tau = self.tau_t = None  # per-row tau (`set_row_taus`); None: opts.threshold for every row
+        self.rows = Rows.new(b, P, self.max_new, prompt_tokens)  # every per-row value: `merge` / `keep_rows`
+        self.tau_t = None  # the rows' taus on the device (`set_row_taus`); None: opts.threshold for every row
         self.q_drafts = None  # verify + sampling: the distributions the pending drafts were drawn from
         self.copies_failed = False  # a stateful processor could not be copied (`exact.disposable_chain`)
         self.records = [] if (self.output_scores or self.output_logits) else None
+        self.tree_shape = None  # verify mode's draft tree (`tree.TreeDecoder`); None: no tree
         self.compactions = 0
         # ragged rows leave masked columns in the cache, which every later forward pays for: compacted away
         # (full-attention caches, unlocked batches; a static cache in place, and also whenever a step would not
@@ -108,21 +112,22 @@ class MARSDecoder:
 
     def _prepare_prompt(self, input_ids, attn, max_slots):
         """The token buffer (prompt | generated history, kept on the device only when processors or criteria
-        read it) and the prompt's positions: left padding makes each row's positions start at its first token."""
+        read it) and the prompt's positions: left padding makes each row's positions start at its first token.
+        Returns each row's real prompt tokens."""
         b, P, dev = self.batch, self.prompt_len, self.device
         self.prompt, self.seq = input_ids, None
         if self.reads_history:
             self.seq = torch.full((b, self.buf_len), self.pad, dtype=torch.long, device=dev)
             self.seq[:, :P] = input_ids
-        self.prompt_real_host = [P] * b if attn is None else attn.long().sum(-1).tolist()
-        if attn is not None and min(self.prompt_real_host) == 0:
+        prompt_tokens = [P] * b if attn is None else attn.long().sum(-1).tolist()
+        if attn is not None and min(prompt_tokens) == 0:
             raise ValueError("MARS decoding needs at least one real (unpadded) prompt token in every row; a row of "
                              "the attention_mask is all zeros.")
-        if attn is not None and min(self.prompt_real_host) == P:  # no padding: as if no mask was passed
+        if attn is not None and min(prompt_tokens) == P:  # no padding: as if no mask was passed
             attn = None
         self.prompt_attn = attn
-        if attn is not None:  # (unpadded rows all count positions from 0: `_chunk` slices them from `positions`)
-            self.prompt_real = to_device(self.prompt_real_host, dev)
+        if attn is not None:  # (unpadded rows all count positions from 0: `chunk` slices them from `positions`)
+            self.prompt_real = to_device(prompt_tokens, dev)
             self.prompt_pos = (attn.long().cumsum(-1) - 1).masked_fill(attn == 0, 0)
         # a step's trailing drafts and masks may reach past the model's context (learned absolute positions,
         # GPT-2 / OPT, then index past their table) although the answer fits: only tokens past max_new read
@@ -131,6 +136,7 @@ class MARSDecoder:
         self.max_positions = limit if isinstance(limit, int) else None
         self.last_position = limit - 1 if self.max_positions and P + self.max_new + max_slots > limit else None
         self.positions = positions(self.buf_len + 2 * (self.shape.chunk + self.shape.candidates) + 8, dev)
+        return prompt_tokens
 
     def _prepare_forward(self, generation_config, model_kwargs):
         """The forward of decode steps: torch.compile as generate decides it for plain decoding (a compileable
@@ -139,17 +145,16 @@ class MARSDecoder:
         compiled step keeps one width (extra masks at the end change nothing before them under causal attention) so
         that one graph serves every step: the widest [committed | drafts] run plus the K-1 masks; its guards are
         evaluated in full once per input layout (`GuardedSteps`). Greedy with no logits processor (nothing between
-        the logits and the rules), the compiled step also reads its slots (`_forward_read`)."""
+        the logits and the rules), the compiled step also reads its slots (`forward_read`)."""
         model, opts, shape = self.model, self.opts, self.shape
         self.model_forward = self.decode_forward = model.__call__
         self.prefill_forward = self.read_forward = None
         compile_config = getattr(generation_config, "compile_config", None)
         wants = self.cache.static and not getattr(generation_config, "disable_compile", False) and (
-            self.device.type in ("cuda", "xpu", "neuron", "tpu")
-            or bool(compile_config is not None and getattr(compile_config, "_compile_all_devices", None)))
+            self.device.type in ("cuda", "xpu", "neuron", "tpu") or compiles_on_any_device(compile_config))
         if wants and getattr(self.cache.cache, "is_compileable", False) and (
                 getattr(getattr(model, "hf_quantizer", None), "is_compileable", True)):
-            compile_config = compile_config or model._default_compile_config()
+            compile_config = compile_config or default_compile_config(model)
             self.decode_forward = GuardedSteps(compiled_decode_call(model, compile_config), opts.guard_every_step)
             if opts.compile_prefill:
                 self.prefill_forward = compiled_prefill_call(model, compile_config)
@@ -173,32 +178,29 @@ class MARSDecoder:
 
     # ---------------------------------------------------------------- one step
     def step(self) -> bool:
-        """One forward and everything it decides; False once every row has finished."""
-        plan = plan_step(self)
-        input_ids, position_ids, col_real = self._chunk(plan)
-        if plan.read_slots:  # (compiled, greedy, no processor: the graph reads the slots)
-            decision, raw_logits = self._decide(plan, self._forward_read(plan, input_ids, position_ids, col_real)), None
-        else:
-            logits = self._forward(plan, input_ids, position_ids, col_real)
-            slot_logits, raw_logits = self._candidate_slots(plan, logits)
-            decision = decide_exact(self, plan, slot_logits) if self.clients.exact else self._decide(
-                plan, self._read_slots(plan, slot_logits))
+        """One forward and everything it decides; False once every row has finished. The same for every way of
+        decoding: the proposer `choose_layout` picks lays the step out (plan), the model runs over the chunk
+        (forward), its slots are read and accepted by the rules (read, accept), the cache drops what was not
+        accepted (roll back) and the rows advance (commit)."""
+        proposer = choose_layout(self)
+        plan = proposer.plan(self)
+        decision, record, kept = proposer.forward_and_accept(self, plan)
         accepted = [len(t) for t in decision.tokens]
         if self.records is not None:
-            self.records.append((decision.scores if self.output_scores else None, raw_logits, accepted))
+            self.records.append(record(accepted))
         rows = self.rows
         finished = [plan.active[r] and (decision.stopped[r] or rows.emitted[r] + accepted[r] >= rows.limit[r])
                     for r in range(self.batch)]
-        keep_cols = self._roll_back(plan, col_real, accepted, finished)
+        keep_cols = proposer.roll_back(self, plan, kept, accepted, finished)
         self._commit(plan, keep_cols, decision, finished)
         if self.compactable and self.cache.attn is not None and self.cache.compact(
-                max(p + f for p, f in zip(self.prompt_real_host, rows.fed)), room=self.step_room):
+                max(p + f for p, f in zip(rows.prompt_tokens, rows.fed)), room=self.step_room):
             self.compactions += 1
         if self.clients.lagging is not None:
             self._check_lagging()
         return any(rows.unfinished)
 
-    def _chunk(self, plan):
+    def chunk(self, plan):
         """Inputs: per row [uncached committed | drafts | masks], right-aligned in a (batch, width) chunk.
         Returns input_ids, position_ids and which columns are real (None when all are)."""
         b, P, dev = self.batch, self.prompt_len, self.device
@@ -213,7 +215,7 @@ class MARSDecoder:
             col_real = torch.cat([self.prompt_attn.bool(), torch.ones(b, masks, dtype=torch.bool, device=dev)], dim=1)
             return input_ids, position_ids, col_real
         if b == 1:  # no padding ever
-            offset = self.prompt_real_host[0] + self.rows.fed[0]
+            offset = self.rows.prompt_tokens[0] + self.rows.fed[0]
             col_real = None if self.cache.attn is None else torch.ones(1, plan.width, dtype=torch.bool, device=dev)
             return plan.input_ids, self.positions[:, offset:offset + plan.width], col_real
         # pads only matter in rows still decoding; with none there and none in the cache, no mask at all
@@ -222,7 +224,7 @@ class MARSDecoder:
             col_real = None
         return plan.input_ids, plan.pos_t, col_real
 
-    def _forward(self, plan, input_ids, position_ids, col_real, attention_mask=None):
+    def forward(self, plan, input_ids, position_ids, col_real, attention_mask=None):
         """The model forward over the chunk (the cache is updated in place); the logits from candidate 0 on.
         ``attention_mask``: a prepared 4D mask (a draft tree's); else the 2D one from the chunk's real columns."""
         kwargs = self._model_inputs(col_real, attention_mask)
@@ -260,7 +262,7 @@ class MARSDecoder:
         for r in range(self.batch):
             self.rows.forwards[r] += self.rows.unfinished[r]
 
-    def _forward_read(self, plan, input_ids, position_ids, col_real) -> SlotRead:
+    def forward_read(self, plan, input_ids, position_ids, col_real) -> SlotRead:
         """A compiled decode step that reads its own slots (`forward.compiled_read_call`): every slot's token and
         flag, over all ``max_slots`` slots (one graph), the columns each reads laid out by the plan."""
         kwargs = self._model_inputs(col_real, None)
@@ -273,7 +275,7 @@ class MARSDecoder:
         self._count_forward()
         return SlotRead(flat.tolist(), self.max_slots, True, False, None)
 
-    def _candidate_slots(self, plan, logits):
+    def candidate_slots(self, plan, logits):
         """Slot s of row r reads the logits column before its drafts and masks, plus s. Returns the float32 slot
         logits (suppressed tokens at -inf: the mask token is never emitted) and the raw ones for output_logits."""
         S, kept = plan.max_slots, plan.logits_kept
@@ -300,7 +302,8 @@ class MARSDecoder:
             if len(chain) == 0:
                 return slot_logits, choose(slot_logits, self.do_sample)
             b, S, V = slot_logits.shape
-            scores = chain(self.prompt[:, :1].repeat_interleave(S, dim=0), slot_logits.reshape(-1, V)).view(b, S, V)
+            history = torch.zeros((b * S, 1), dtype=torch.long, device=self.device)  # (read by none of them)
+            scores = chain(history, slot_logits.reshape(-1, V)).view(b, S, V)
             return scores, choose(scores, self.do_sample)
         P, S = self.prompt_len, plan.max_slots
         groups = {}
@@ -331,21 +334,55 @@ class MARSDecoder:
                 ext = torch.where(ended, self.pad, ext)
             self.seq.scatter_(1, plan.slot_pos_t[:, s:s + 1], ext[:, None])
             if stop_at_ends:
-                ended = ended | torch.isin(ext, self.eos_t) | torch.isin(tok, self.eos_t)
+                ended = ended | stops(ext, self.eos_t) | stops(tok, self.eos_t)
         return scores, chosen
 
     def confident(self, scores, chosen, of_distribution):
         """Whether each slot's confidence clears its row's tau."""
         tau = self.opts.threshold if self.tau_t is None else self.tau_t
-        return confidence(self.opts.acceptance, chosen, scores, of_distribution=of_distribution) >= tau
+        return confident(self.opts.acceptance, chosen, tau, scores, of_distribution=of_distribution)
+
+    def speculate_no_more(self) -> None:
+        """A stateful processor could not be copied (`exact.disposable_chain`): from now on every step accepts
+        one token, decided by the real processors alone."""
+        self.copies_failed = True
+        self.shape.one_token = True
 
     def set_row_taus(self, taus: list) -> None:
         """A tau per row from the next step on (a row at 1.0 takes exactly the AR token: no masks are read)."""
-        if taus != self.row_tau:
-            self.row_tau = list(taus)
+        if taus != self.rows.tau:
+            self.rows.tau = list(taus)
             self.tau_t = torch.tensor(taus, dtype=torch.float32).view(-1, 1).to(self.device)
 
-    def _read_slots(self, plan, slot_logits) -> SlotRead:
+    def merge(self, other: MARSDecoder) -> None:
+        """Take another generation's rows into this batch, between steps (`engine.merge`): every per-row value
+        lives in `Rows`, the cache rows in `RollbackCache`; verify sampling's draft distributions go along."""
+        self.cache.append_rows(other.cache, self.device)
+        if self.q_drafts is not None or other.q_drafts is not None:
+            vocab = next(d.q_drafts.shape[-1] for d in (self, other) if d.q_drafts is not None)
+            self.q_drafts = torch.cat([d.q_drafts if d.q_drafts is not None else torch.zeros(
+                d.batch, self.shape.max_drafts, vocab, device=self.device) for d in (self, other)])
+        taus = [self.opts.threshold if t is None else t for t in self.rows.tau]
+        taus += [other.opts.threshold if t is None else t for t in other.rows.tau]
+        self.rows.extend(other.rows)
+        self.rows.tau = [None] * len(self.rows)  # (filled, and sent to the device, by set_row_taus below)
+        self.batch = len(self.rows)
+        if other.last_position is not None:
+            self.last_position = min(x for x in (self.last_position, other.last_position) if x is not None)
+        self.set_row_taus(taus)
+
+    def keep_rows(self, keep: list) -> None:
+        """Only the rows ``keep`` go on (finished or cancelled ones leave the batch), their cache rows with them."""
+        index = to_device(keep, self.device)
+        self.cache.select_rows(index)
+        if self.q_drafts is not None:
+            self.q_drafts = self.q_drafts.index_select(0, index)
+        if self.tau_t is not None:
+            self.tau_t = self.tau_t.index_select(0, index)
+        self.rows.select(keep)
+        self.batch = len(self.rows)
+
+    def read_slots(self, plan, slot_logits) -> SlotRead:
         """Process the candidates and bring each slot's token and flags to the host: the step's one sync."""
         S, opts = plan.max_slots, self.opts
         scores, chosen = self.process(plan, slot_logits, self.clients.processors)
@@ -363,7 +400,7 @@ class MARSDecoder:
                 self.q_drafts = take_columns(probs, plan.q_idx_t)
         return SlotRead(torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist(), S, flags, sampled, scores)
 
-    def _decide(self, plan, read: SlotRead) -> Decision:
+    def decide(self, plan, read: SlotRead) -> Decision:
         """Apply the rules to a step's slots on the host: threshold mode accepts candidate 0 and then slots while
         confident; verify accepts the pending drafts AR agrees with plus one AR token and, when all were accepted,
         proposes the confident mask slots after it as the next drafts. Stops (EOS, then other criteria) cut a run;
@@ -382,10 +419,9 @@ class MARSDecoder:
                 pending = self.rows.drafts[r]
                 d = len(pending)
                 kept_r = host[kept_at + r * Dm:kept_at + r * Dm + d] if sampled else None
-                k = verified_drafts(row[:d], pending, kept_r)
-                ar = host[kept_at + b * Dm + r * Dm + k] if (sampled and k < d) else row[k]
-                tokens[r] = pending[:k] + [ar]
-                if k == d and conf is not None:
+                resampled = host[kept_at + b * Dm + r * Dm:kept_at + b * Dm + r * Dm + d] if sampled else None
+                tokens[r] = verify_row(row, pending, kept_r, resampled)
+                if len(tokens[r]) == d + 1 and conf is not None:
                     drafts_next[r] = proposed_drafts(row, conf, d + 1, n)
             else:
                 tokens[r] = row[:threshold_run(conf, n) if conf is not None else 1]
@@ -417,7 +453,7 @@ class MARSDecoder:
                     stopped[r] = True
 
     # ---------------------------------------------------------------- after the decision
-    def _roll_back(self, plan, col_real, accepted, finished) -> int:
+    def roll_back(self, plan, col_real, accepted, finished) -> int:
         """Drop the masks' (and rejected drafts') cache entries; returns how many columns of the chunk stay.
 
         Block cache inside a chunk: everything fed is dropped (back to the frozen prefix). Otherwise each row keeps

@@ -21,6 +21,8 @@ from collections import Counter
 
 import torch
 
+from ._compat import swap_child
+
 
 def parse_draft_vocab(value):
     """The option in its one form: None, or a tuple of distinct token ids >= 0 (from a list, tuple or 1-D tensor)."""
@@ -90,11 +92,12 @@ class DraftVocabulary:
     @contextlib.contextmanager
     def installed(self, model):
         """The split head in place of the model's for the length of the block (restored however it ends)."""
-        model._modules[self.attribute] = _SplitHead(self)
+        # (the registry entry itself, as nn.Module.__setattr__ ends up writing it)
+        swap_child(model, self.attribute, _SplitHead(self))
         try:
             yield
         finally:
-            model._modules[self.attribute] = self.head
+            swap_child(model, self.attribute, self.head)
 
 
 class _SplitHead(torch.nn.Module):

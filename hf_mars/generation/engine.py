@@ -18,7 +18,6 @@ from typing import NamedTuple
 import torch
 
 from .api import _stop_strings_as_criterion, _with_option_parameters, start_decoder
-from .plan import to_device
 
 
 def _first_step(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
@@ -59,49 +58,15 @@ def can_merge(dec, other) -> bool:
 
 
 def merge(dec, other) -> None:
-    """Take another generation's rows into ``dec``'s batch, between steps. Each side's cache columns are left-padded
-    to the longer one and masked: keys carry their rotary positions and a row's position ids follow its own
-    real-token count, so no row's attention changes."""
-    mine, theirs = dec.cache, other.cache
-    width = max(mine.length, theirs.length)
-
-    def padded(t, length):  # (rows, heads, columns, dim), left-padded to `width` columns
-        return torch.nn.functional.pad(t, (0, 0, width - length, 0))
-
-    for a, b in zip(mine.cache.layers, theirs.cache.layers):
-        a.keys = torch.cat([padded(a.keys, mine.length), padded(b.keys, theirs.length)])
-        a.values = torch.cat([padded(a.values, mine.length), padded(b.values, theirs.length)])
-    masks = [c.attn if c.attn is not None else torch.ones(c.batch, c.length, dtype=torch.long, device=dec.device)
-             for c in (mine, theirs)]
-    mine.attn = torch.cat([torch.nn.functional.pad(m, (width - m.shape[1], 0)) for m in masks])
-    mine.length, mine.batch = width, mine.batch + theirs.batch
-    if dec.q_drafts is not None or other.q_drafts is not None:  # verify sampling: the drafts' distributions
-        vocab = next(d.q_drafts.shape[-1] for d in (dec, other) if d.q_drafts is not None)
-        dec.q_drafts = torch.cat([d.q_drafts if d.q_drafts is not None else torch.zeros(
-            d.batch, dec.shape.max_drafts, vocab, device=dec.device) for d in (dec, other)])
-    taus = (dec.row_tau or [dec.opts.threshold] * dec.batch) + (other.row_tau or [other.opts.threshold])
-    dec.rows.extend(other.rows)
-    dec.prompt_real_host += other.prompt_real_host
-    dec.batch += other.batch
-    if other.last_position is not None:
-        dec.last_position = min(x for x in (dec.last_position, other.last_position) if x is not None)
-    dec.set_row_taus(taus)
+    """Take another generation's rows into ``dec``'s batch, between steps (`MARSDecoder.merge`): each side's cache
+    columns are left-padded to the longer one and masked; keys carry their rotary positions and a row's position
+    ids follow its own real-token count, so no row's attention changes."""
+    dec.merge(other)
 
 
 def keep_rows(dec, keep: list) -> None:
-    """Only the rows ``keep`` go on (finished or cancelled ones leave the batch), their cache rows with them."""
-    index = to_device(keep, dec.device)
-    for layer in dec.cache.cache.layers:
-        layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
-    if dec.cache.attn is not None:
-        dec.cache.attn = dec.cache.attn.index_select(0, index)
-    if dec.q_drafts is not None:
-        dec.q_drafts = dec.q_drafts.index_select(0, index)
-    dec.rows.select(keep)
-    dec.prompt_real_host = [dec.prompt_real_host[i] for i in keep]
-    dec.batch = dec.cache.batch = len(keep)
-    if dec.row_tau is not None:
-        dec.set_row_taus([dec.row_tau[i] for i in keep])
+    """Only the rows ``keep`` go on (`MARSDecoder.keep_rows`)."""
+    dec.keep_rows(keep)
 
 
 @dataclasses.dataclass

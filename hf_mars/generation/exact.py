@@ -20,10 +20,12 @@ from .rules import (
     Decision,
     choose,
     lockstep,
+    lockstep_count,
     proposed_drafts,
-    speculative_sample,
+    stops,
     take_columns,
     threshold_run,
+    verify_slot,
 )
 
 _logger = _hf_logging.get_logger(__name__)
@@ -41,8 +43,7 @@ def disposable_chain(dec):
         return _lp.LogitsProcessorList(
             [copy.deepcopy(p) if any(p is q for q in procs) else p for p in dec.clients.processors])
     except Exception as err:  # noqa: BLE001 - any failure to copy means: do not speculate
-        dec.copies_failed = True
-        dec.shape.one_token = True
+        dec.speculate_no_more()
         names = ", ".join(sorted({type(p).__name__ for p in procs}))
         _logger.warning_once(
             f"MARS threshold decoding with a stateful logits processor ({names}) that cannot be copied "
@@ -69,19 +70,7 @@ def _speculate(dec, plan, slot_logits, live):
     if S == 1:
         return scores, chosen, 1
     conf = dec.confident(scores, chosen, of_distribution=not dec.do_sample).tolist()
-    return scores, chosen, min(threshold_run(conf[r], plan.slots[r]) for r in plan.rows if live[r])
-
-
-def _verify_slot(dec, real, s, d0, forced):
-    """The AR token at slot s and whether it is the pending draft there (speculative sampling when sampling)."""
-    if not dec.do_sample:
-        tok = real.argmax(-1)
-        return tok, (tok == forced[:, s]) if s < d0 else None
-    p = torch.softmax(real, dim=-1)
-    if s >= d0:
-        return torch.multinomial(p, 1).squeeze(1), None
-    kept, resampled = speculative_sample(p, dec.q_drafts[:, s], forced[:, s])
-    return torch.where(kept, forced[:, s], resampled), kept
+    return scores, chosen, lockstep_count(threshold_run(conf[r], plan.slots[r]) for r in plan.rows if live[r])
 
 
 def decide_exact(dec, plan, slot_logits):
@@ -101,7 +90,9 @@ def decide_exact(dec, plan, slot_logits):
             real = scores[:, s]
         agreed = None
         if verify:
-            tok, agreed = _verify_slot(dec, real, s, d0, plan.forced_t)
+            pending = s < d0  # slots 0..d0-1 hold the pending drafts
+            tok, agreed = verify_slot(real, dec.do_sample, plan.forced_t[:, s] if pending else None,
+                                      dec.q_drafts[:, s] if pending and dec.do_sample else None)
         elif scores is not None and torch.equal(real[live], scores[live, s]):
             tok = chosen[:, s]
         else:  # the real call disagrees with its copy (or there is no copy): this token ends the step
@@ -110,7 +101,7 @@ def decide_exact(dec, plan, slot_logits):
         dec.seq[:, P + n + s] = tok
         out[:, s] = real
         acc = torch.where(live, s + 1, acc)
-        hit = torch.isin(tok, dec.eos_t) if dec.eos_t is not None else torch.zeros_like(live)
+        hit = stops(tok, dec.eos_t)
         if len(clients.criteria) > 0:
             crit = clients.criteria(dec.seq[:, :P + n + s + 1], (real,) if dec.output_scores else None)
             hit = hit | torch.as_tensor(crit, device=dev).expand(b)

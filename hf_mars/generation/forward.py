@@ -14,7 +14,8 @@ import threading
 
 import torch
 
-from .rules import choose, confidence, take_columns
+from ._compat import compile_stance_is_default, never_compiled
+from .rules import choose, confident, take_columns
 
 
 @functools.lru_cache(maxsize=64)
@@ -41,8 +42,8 @@ def _read_call(model, slot_cols, suppress, tau, acceptance, **kwargs):
     slots = take_columns(logits, slot_cols).float()
     slots = slots.index_fill(-1, suppress, -math.inf)
     chosen = choose(slots, False)
-    confident = confidence(acceptance, chosen, slots, of_distribution=True) >= tau
-    return torch.cat([chosen.view(-1), confident.view(-1)])
+    sure = confident(acceptance, chosen, tau, slots, of_distribution=True)
+    return torch.cat([chosen.view(-1), sure.view(-1)])
 
 
 def _prefill_call(model, **kwargs):  # the same call, another code object: Dynamo counts recompiles per code object
@@ -52,7 +53,7 @@ def _prefill_call(model, **kwargs):  # the same call, another code object: Dynam
 def _compiled(model, compile_config, call, key, **override):
     """``torch.compile(call)`` bound to the model, kept on it per compile config under ``key`` (``override``:
     torch.compile arguments that replace the config's)."""
-    if "llama4" in getattr(model.config, "model_type", ""):  # as get_compiled_call: not compiled there
+    if never_compiled(model):  # as get_compiled_call: not compiled there
         return model.__call__
     cached = model.__dict__.get(key)
     if cached is None or cached[0] != compile_config:
@@ -127,12 +128,7 @@ def _alone() -> bool:
     return all(thread is current or thread.daemon for thread in threading.enumerate())
 
 
-def _stance_is_default() -> bool:
-    """Whether torch.compile runs in its default stance (a user's ``set_stance``, e.g. "force_eager", is left
-    alone). Reads torch's private stance record; if it moved, guards are checked on every step."""
-    stance = getattr(getattr(torch._dynamo, "eval_frame", None), "_stance", None)
-    return (stance is not None and getattr(stance, "stance", None) == "default"
-            and getattr(stance, "skip_guard_eval_unsafe", True) is False and getattr(stance, "backend", 0) is None)
+_stance_is_default = compile_stance_is_default  # (the name tests/test_compat.py checks torch's stance record by)
 
 
 class GuardedSteps:
@@ -159,7 +155,7 @@ class GuardedSteps:
         if self.every_step:  # (mars_guard_every_step: torch's own checks, nothing kept here)
             return self.call(**kwargs)
         layout = tuple((name, _layout(value)) for name, value in kwargs.items())
-        if layout in self.checked and _alone() and _stance_is_default():
+        if layout in self.checked and _alone() and compile_stance_is_default():
             try:
                 with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                     return self.call(**kwargs)

@@ -13,6 +13,8 @@ import dataclasses
 
 import torch
 
+from .rules import draft_room, one_token, step_room
+
 
 def to_device(values, device, dtype=torch.long):
     """Host values as a device tensor without a synchronising copy (pinned memory, non-blocking on GPU). A flat
@@ -92,16 +94,14 @@ def plan_step(dec) -> StepPlan:
     first = rows.fed[0] == -dec.prompt_len
     # a row at tau >= 1 reads candidate 0 only; masks are fed unless every row is such a row (the masks must
     # occupy the same last columns in every row, so that one crop drops them all)
-    taus = dec.row_tau
-    one_token = [shape.one_token] * b if taus is None else [shape.one_token or t >= 1.0 for t in taus]
-    no_masks = not block and not verify and all(one_token[r] for r in range(b) if unfinished[r])
+    single = [shape.one_token or (t is not None and one_token(t)) for t in rows.tau]
+    no_masks = not block and not verify and all(single[r] for r in range(b) if unfinished[r])
     active, uncached, drafts, masks, slots = [False] * b, [0] * b, [0] * b, [0] * b, [0] * b
     for r in range(b):
         if not unfinished[r] or (block and not rows.chunk_start and in_chunk[r] >= shape.chunk):
             continue  # finished, or waiting for the slowest row to fill the block cache's chunk
         active[r] = True
         remaining = limit[r] - emitted[r]
-        max_accept = opts.max_accept or limit[r]
         uncached[r] = emitted[r] - rows.fed[r]
         if opts.cache == "block":
             masks[r] = shape.chunk - in_chunk[r]
@@ -111,15 +111,15 @@ def plan_step(dec) -> StepPlan:
             masks[r] = 0 if no_masks else candidates - 1
         if verify:
             drafts[r] = len(rows.drafts[r])
-            # new drafts + the AR token must fit the length limit and the per-step cap
-            new_drafts = 0 if one_token[r] else min(shape.max_drafts, max(0, remaining - drafts[r] - 2),
-                                                 max_accept - 1)
+            # the next step's drafts + its AR token must fit what is left once this step's are emitted
+            new_drafts = 0 if single[r] else min(shape.max_drafts, draft_room(remaining - drafts[r] - 1,
+                                                                             opts.max_accept))
             slots[r] = drafts[r] + 1 + new_drafts
         else:
-            n = 1 if one_token[r] else 1 + min(candidates - 1, masks[r])
+            n = 1 if single[r] else 1 + min(candidates - 1, masks[r])
             if block:
                 n = min(n, shape.chunk - in_chunk[r])
-            slots[r] = min(n, remaining, max_accept)
+            slots[r] = min(n, step_room(remaining, opts.max_accept))
     active_rows = [r for r in range(b) if active[r]]
     if fixed_width and not first:  # compiled steps: pad with masks to the one width
         for r in active_rows:
@@ -154,7 +154,7 @@ def lay_out(dec, plan) -> None:
             n, u, d, f, left = plan.lens[r], plan.uncached[r], plan.drafts[r], rows.fed[r], W - plan.lens[r]
             src += [dec.pad] * left + rows.tokens[r][f:f + u] + rows.drafts[r][:d]
             src += [dec.mask_token_id] * (n - u - d)
-            p0 = dec.prompt_real_host[r] + f
+            p0 = rows.prompt_tokens[r] + f
             pos += [0] * left + list(range(p0, p0 + n))
             real += [0] * left + [1] * n
         add("input_ids", src)

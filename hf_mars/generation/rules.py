@@ -16,29 +16,37 @@ import torch
 
 @torch.no_grad()
 def reference_decode(model, prompt_ids, mask_token_id, block_size=4, threshold=0.95, max_new_tokens=32,
-                     eos_token_ids=(), use_last_mask=False):
+                     eos_token_ids=(), use_last_mask=False, cache="sliding", cache_block=16):
     """MARS threshold decoding of one prompt, literally: a full forward over [committed | masks] per step.
 
-    Slow (no KV cache) and greedy only; it exists to be read, and the tests hold the fast loop to it.
-    Returns (generated token ids, forward passes).
+    Slow (no KV cache) and greedy only; it exists to be read, and the tests and the short-answer bench hold the
+    fast loop to it. ``cache`` 'block' / 'block_trained': a step never crosses a ``cache_block`` chunk ('block'
+    feeds masks to the chunk's end). Returns (generated token ids, forward passes).
     """
+    device = next(model.parameters()).device
     tokens, generated, forwards = list(prompt_ids), [], 0
     candidates = block_size + 1 if use_last_mask else block_size  # the AR token + masks 1..candidates-1
     while len(generated) < max_new_tokens:
-        masks = 0 if threshold >= 1.0 else candidates - 1
-        logits = model(torch.tensor([tokens + [mask_token_id] * masks])).logits[0].float()
+        in_chunk = len(generated) % cache_block
+        masks = 0 if one_token(threshold) else cache_block - in_chunk if cache == "block" else candidates - 1
+        logits = model(torch.tensor([tokens + [mask_token_id] * masks], device=device)).logits[0].float()
         forwards += 1
+        slots = 1 + min(candidates - 1, masks)
+        if cache != "sliding":
+            slots = min(slots, cache_block - in_chunk)
         last_committed = len(tokens) - 1
-        for j in range(min(1 + masks, max_new_tokens - len(generated))):
+        run, sure = [], []
+        for j in range(min(slots, step_room(max_new_tokens - len(generated)))):
             scores = logits[last_committed + j].clone()  # candidate j: the AR position, then mask j
             scores[mask_token_id] = -math.inf  # the mask token is never emitted
-            token = int(scores.argmax())
-            if j > 0 and float(torch.softmax(scores, -1)[token]) < threshold:
-                break  # candidate 0 is always accepted; then left to right while confident
-            tokens.append(token)
-            generated.append(token)
-            if token in eos_token_ids:
-                return generated, forwards
+            run.append(int(scores.argmax()))
+            sure.append(float(torch.softmax(scores, -1).max()) >= threshold)
+        run = run[:threshold_run(sure, len(run))]  # candidate 0 always; then left to right while confident
+        stopped = cut_at_stop(run, tuple(eos_token_ids))
+        tokens += run
+        generated += run
+        if stopped:
+            break
         # (the fast loop also drops the masks' KV-cache entries here)
     return generated, forwards
 
@@ -56,6 +64,22 @@ class Decision:
     scores: torch.Tensor | None  # the processed scores of the candidate slots (output_scores)
 
 
+def one_token(tau: float) -> bool:
+    """tau >= 1 accepts exactly the AR token: a step reads candidate 0 only (an exact AR step, no masks needed)."""
+    return tau >= 1.0
+
+
+def step_room(remaining: int, max_accept: int | None = None) -> int:
+    """Tokens a row may emit in one step: what its length limit leaves, at most ``max_accept`` (mars_max_accept)."""
+    return min(remaining, max_accept or remaining)
+
+
+def draft_room(remaining: int, max_accept: int | None = None) -> int:
+    """Drafts a verify step may offer a row whose length limit leaves ``remaining`` tokens at that step: the
+    drafts and the AR token after them must fit `step_room`."""
+    return max(0, step_room(remaining, max_accept) - 1)
+
+
 def leading_run(flags, start: int, stop: int) -> int:
     """How many of flags[start:stop] are true before the first false one."""
     i = start
@@ -67,6 +91,13 @@ def leading_run(flags, start: int, stop: int) -> int:
 def threshold_run(confident, slots: int) -> int:
     """Threshold mode: candidate 0 (the AR token) always, then slots left to right while confident (>= tau)."""
     return 1 + leading_run(confident, 1, slots)
+
+
+def verify_row(chosen, drafts, kept=None, resampled=None) -> list:
+    """Verify mode, one row: the pending drafts it accepts (`verified_drafts`) and then AR's token, the one chosen
+    at the first slot not accepted (sampling: after a rejected draft, the residual's token ``resampled``)."""
+    k = verified_drafts(chosen[:len(drafts)], drafts, kept)
+    return list(drafts[:k]) + [resampled[k] if resampled is not None and k < len(drafts) else chosen[k]]
 
 
 def verified_drafts(chosen, drafts, kept=None) -> int:
@@ -91,10 +122,16 @@ def accepted_path(children, tokens, choice) -> list:
         path.append(node)
 
 
+def draft_count(confident, first: int, slots: int) -> int:
+    """Draft truncation: how many mask slots from ``first`` on (within the ``slots`` the row may use) become next
+    drafts, up to the first one not confident (a chain's drafts and each depth of a draft tree)."""
+    return leading_run(confident, first, slots)
+
+
 def proposed_drafts(chosen, confident, first: int, slots: int) -> list:
     """Verify mode, after every pending draft was accepted: the next drafts are the mask slots after the AR token
-    (from ``first`` on, within the ``slots`` the row may use), truncated at the first one not confident."""
-    return list(chosen[first:first + leading_run(confident, first, slots)])
+    (from ``first`` on), truncated by `draft_count`."""
+    return list(chosen[first:first + draft_count(confident, first, slots)])
 
 
 def cut_at_stop(tokens: list, stops) -> bool:
@@ -114,11 +151,16 @@ def lockstep(rows, tokens, drafts_next, stopped, pending) -> None:
     going = [r for r in rows if not stopped[r]]
     if not going:
         return
-    m = min(len(tokens[r]) for r in going)
+    m = lockstep_count(len(tokens[r]) for r in going)
     c = min(len(drafts_next[r]) if m == pending[r] + 1 else 0 for r in going)
     for r in going:
         del tokens[r][m:]
         del drafts_next[r][c:]
+
+
+def lockstep_count(counts) -> int:
+    """Rows held in lockstep all take the fewest tokens any of them may take."""
+    return min(counts)
 
 
 # ------------------------------------------------------------------ per distribution, on tensors
@@ -152,6 +194,34 @@ def confidence(mode: str, chosen, scores=None, probs=None, of_distribution: bool
         return torch.exp(-torch.special.entr(probs).sum(-1))
     top2 = probs.topk(2, dim=-1).values
     return top2[..., 0] - top2[..., 1]
+
+
+def confident(mode: str, chosen, tau, scores=None, probs=None, of_distribution: bool = False):
+    """Confidence >= tau: whether each candidate clears the threshold (``tau``: a float, or a per-row (b, 1) tensor).
+    Every path (the slots read on the host, the compiled step that reads its own slots, the exact path's
+    speculation, a draft tree's candidates) decides with this."""
+    return confidence(mode, chosen, scores, probs, of_distribution=of_distribution) >= tau
+
+
+def stops(tokens, eos_ids):
+    """Device-side `cut_at_stop` test: which tokens end their row (``eos_ids``: a tensor; None: no EOS)."""
+    if eos_ids is None:
+        return torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
+    return torch.isin(tokens, eos_ids)
+
+
+def verify_slot(scores, do_sample: bool, draft=None, q=None):
+    """Device-side `verify_row` for one slot of every row (the exact path, one position at a time): AR's token
+    and, where a pending ``draft`` sits at the slot, whether it is accepted (greedy: it equals the argmax;
+    sampling: speculative sampling against its draft distribution ``q``, the residual's token where rejected)."""
+    if not do_sample:
+        token = scores.argmax(-1)
+        return token, None if draft is None else token == draft
+    p = torch.softmax(scores, dim=-1)
+    if draft is None:
+        return torch.multinomial(p, 1).squeeze(1), None
+    kept, resampled = speculative_sample(p, q, draft)
+    return torch.where(kept, draft, resampled), kept
 
 
 def speculative_sample(p, q, draft):

@@ -36,14 +36,19 @@ class Rows:
     forwards: list  # forward passes each row took part in
     streamed: list  # lagging criteria: tokens streamed (never past `checked`)
     limit: list  # new tokens each row may emit
+    prompt_tokens: list  # real (unpadded) prompt tokens: a row's positions count from them
+    tau: list  # the row's own tau (`MARSDecoder.set_row_taus`); None: the call's mars_threshold
     chunk_start: bool = True  # block cache: the next step starts a chunk
     checked: int = 0  # lagging criteria: positions 1..checked have had their AR call
 
     @classmethod
-    def new(cls, b: int, prompt_len: int, limit: int) -> Rows:
+    def new(cls, b: int, prompt_len: int, limit: int, prompt_tokens: list) -> Rows:
         return cls(emitted=[0] * b, fed=[-prompt_len] * b, unfinished=[True] * b, in_chunk=[0] * b,
                    tokens=[[] for _ in range(b)], drafts=[[] for _ in range(b)], forwards=[0] * b, streamed=[0] * b,
-                   limit=[limit] * b)
+                   limit=[limit] * b, prompt_tokens=list(prompt_tokens), tau=[None] * b)
+
+    def __len__(self) -> int:
+        return len(self.emitted)
 
     def select(self, keep: list) -> None:
         """Keep only the rows ``keep`` (in that order)."""

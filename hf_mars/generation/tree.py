@@ -23,10 +23,11 @@ import functools
 import torch
 from transformers.utils import logging as _hf_logging
 
+from ._compat import attn_implementation
 from .clients import history_free
 from .decoder import MARSDecoder
-from .plan import plan_step, to_device
-from .rules import Decision, accepted_path, confidence, cut_at_stop, leading_run, take_columns
+from .plan import to_device
+from .rules import Decision, accepted_path, confident, cut_at_stop, draft_count, draft_room, one_token, take_columns
 
 _logger = _hf_logging.get_logger(__name__)
 
@@ -128,7 +129,7 @@ def shape_of(opts, max_drafts: int) -> tuple:
 
 def refusal(dec) -> str | None:
     """Why this call cannot decode with a tree (None: it can)."""
-    attention = getattr(dec.model.config, "_attn_implementation", None) or "eager"
+    attention = attn_implementation(dec.model.config)
     if dec.do_sample:
         return ("sampling (exact multi-candidate speculative sampling is not implemented; the chain's speculative "
                 "sampling keeps the target distribution)")
@@ -161,47 +162,16 @@ class TreeDecoder(MARSDecoder):
         elif asked:
             _logger.warning_once(f"mars_draft_tree: decoding with the draft chain instead of a tree: {reason}.")
 
-    def step(self) -> bool:
-        if self.tree_shape is None:
-            return super().step()
-        first = self.rows.fed[0] == -self.prompt_len
-        if first:  # the prefill is the chain's: [prompt | masks]; the root's masks give the first candidates
-            plan = plan_step(self)
-            input_ids, position_ids, col_real = self._chunk(plan)
-            logits = self._forward(plan, input_ids, position_ids, col_real)
-            groups = [0 if self._one_token(r) else self.group for r in range(self.batch)]
-            trees = [Tree([], [], []) for _ in range(self.batch)]
-            slot_logits = self._suppressed(logits[:, :1 + self.group])
-        else:
-            plan = self._plan()
-            logits = self._forward(plan, plan.input_ids, plan.pos_t, None, self._attention(plan))
-            groups, trees = plan.groups, plan.trees
-            slot_logits = logits if plan.slot_col_t is None else take_columns(logits, plan.slot_col_t)
-            slot_logits = self._suppressed(slot_logits)
-        decision, paths, emit_slots = self._decide_tree(plan, slot_logits, trees, groups)
-        accepted = [len(t) for t in decision.tokens]
-        if self.records is not None:
-            self.records.append(self._path_records(decision.scores, emit_slots, accepted))
-        rows = self.rows
-        finished = [plan.active[r] and (decision.stopped[r] or rows.emitted[r] + accepted[r] >= rows.limit[r])
-                    for r in range(self.batch)]
-        if first:
-            keep_cols = self._roll_back(plan, col_real, accepted, finished)
-        else:
-            keep_cols = self._keep_paths(plan, paths)
-        self._commit(plan, keep_cols, decision, finished)
-        if self.cache.attn is not None and self.cache.compact(
-                max(p + f for p, f in zip(self.prompt_real_host, rows.fed))):
-            self.compactions += 1
-        if self.clients.lagging is not None:
-            self._check_lagging()
-        return any(rows.unfinished)
-
     # ---------------------------------------------------------------- the chunk
-    def _one_token(self, r) -> bool:
-        return self.row_tau is not None and self.row_tau[r] >= 1.0
+    @staticmethod
+    def empty_tree() -> Tree:
+        return Tree([], [], [])
 
-    def _plan(self) -> TreePlan:
+    def one_token_row(self, r) -> bool:
+        tau = self.rows.tau[r]
+        return tau is not None and one_token(tau)
+
+    def plan_tree(self) -> TreePlan:
         """Each active row's tree (its candidates, cut to what the length limits let it emit) and the chunk."""
         b, rows, opts = self.batch, self.rows, self.opts
         plan = TreePlan(active=list(rows.unfinished), trees=[Tree([], [], []) for _ in range(b)],
@@ -209,9 +179,8 @@ class TreeDecoder(MARSDecoder):
         for r in range(b):
             if not rows.unfinished[r]:
                 continue
-            remaining = rows.limit[r] - rows.emitted[r]
-            depth = min(remaining, opts.max_accept or remaining) - 1  # the nodes + the AR token must fit
-            one = self._one_token(r)
+            depth = draft_room(rows.limit[r] - rows.emitted[r], opts.max_accept)  # the nodes + the AR token fit
+            one = self.one_token_row(r)
             tree = plan.trees[r] = Tree.grow([] if one else rows.drafts[r][:depth], self.tree_shape)
             tree.choose_groups(GROUP_MIN_SHARE)
             plan.uncached[r] = rows.emitted[r] - rows.fed[r]
@@ -232,7 +201,7 @@ class TreeDecoder(MARSDecoder):
             left = W - n
             committed = rows.tokens[r][rows.fed[r]:rows.fed[r] + u]
             ids += [self.pad] * left + committed + tree.tokens + [self.mask_token_id] * (n - u - len(tree.tokens))
-            root = self.prompt_real_host[r] + rows.fed[r] + u - 1  # the root's position
+            root = rows.prompt_tokens[r] + rows.fed[r] + u - 1  # the root's position
             group_depths = [tree.depths[m] if m >= 0 else 0 for m in tree.grouped] if g else []
             pos += [0] * left + list(range(root - u + 1, root + 1)) + [root + d for d in tree.depths]
             pos += [root + d + 1 + j for d in group_depths for j in range(g)]
@@ -248,7 +217,7 @@ class TreeDecoder(MARSDecoder):
         plan.allowed_t = parts[2].view(b, W, W).bool()
         plan.slot_col_t = None if uniform else parts[3].view(b, S)
 
-    def _attention(self, plan):
+    def tree_attention(self, plan):
         """The 4D float mask: every chunk column sees the cache's real columns and what its tree pattern allows."""
         b, W = self.batch, plan.width
         past = self.cache.attn
@@ -259,13 +228,13 @@ class TreeDecoder(MARSDecoder):
         return torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(
             ~allowed, torch.finfo(dtype).min)
 
-    def _suppressed(self, slot_logits):
+    def suppressed(self, slot_logits):
         slot_logits = slot_logits.to(dtype=torch.float32, copy=True)
         self._raw = slot_logits.clone() if self.output_logits else None
         return slot_logits.index_fill_(-1, self.suppress_t, float("-inf"))
 
     # ---------------------------------------------------------------- deciding
-    def _decide_tree(self, plan, slot_logits, trees, groups):
+    def decide_tree(self, plan, slot_logits, trees, groups):
         """AR's token at every slot, each slot's confidence and each mask's top-k tokens and probabilities, in one
         sync; per row the accepted path (`rules.accepted_path`) plus AR's token after it, and the next candidates
         from that node's masks (leading depths whose top probability clears the draft tau, as the chain truncates
@@ -275,9 +244,9 @@ class TreeDecoder(MARSDecoder):
         k = max(self.tree_shape)
         probs = torch.softmax(scores, dim=-1)
         tau = self.opts.threshold if self.tau_t is None else self.tau_t
-        confident = confidence(self.opts.acceptance, chosen, probs=probs, of_distribution=True) >= tau
+        sure = confident(self.opts.acceptance, chosen, tau, probs=probs, of_distribution=True)
         top = probs.topk(k, dim=-1)
-        parts = [chosen.view(-1), confident.view(-1), top.indices.view(-1),
+        parts = [chosen.view(-1), sure.view(-1), top.indices.view(-1),
                  (top.values * PROB_SCALE).round().long().view(-1)]
         host = torch.cat(parts).tolist()
         top_at, prob_at = 2 * b * S, 2 * b * S + b * S * k
@@ -298,7 +267,7 @@ class TreeDecoder(MARSDecoder):
                 start = 1 + len(tree.tokens) + tree.grouped.index(anchor) * g
                 shift = (tree.depths[last] if last >= 0 else 0) - (tree.depths[anchor] if anchor >= 0 else 0)
                 first = start + shift
-                for j in range(leading_run(conf, first, start + g)):
+                for j in range(draft_count(conf, first, start + g)):
                     at = (r * S + first + j) * k
                     drafts_next[r].append([(host[top_at + at + i], host[prob_at + at + i] / PROB_SCALE)
                                            for i in range(self.tree_shape[j])])
@@ -315,12 +284,12 @@ class TreeDecoder(MARSDecoder):
         index = to_device([s[i] if i < len(s) else 0 for s in emit_slots for i in range(width)], self.device)
         return take_columns(tensor, index.view(self.batch, width))
 
-    def _path_records(self, scores, emit_slots, accepted):
+    def path_records(self, scores, emit_slots, accepted):
         return (self._in_path_order(scores, emit_slots) if self.output_scores else None,
                 self._in_path_order(self._raw, emit_slots) if self.output_logits else None, accepted)
 
     # ---------------------------------------------------------------- the cache
-    def _keep_paths(self, plan, paths) -> int:
+    def keep_paths(self, plan, paths) -> int:
         """Keep each row's committed columns and its accepted path's nodes, drop the rest. When every row's path
         is its tree's leading nodes (always, for the all-top-1 path) that is a crop; otherwise a gather."""
         b, W = self.batch, plan.width

@@ -74,46 +74,43 @@ class _Job:
         self.mark_started()
 
 
-class _RowStreamer:
-    """Fans a batched MARS call's new tokens out to each request's own transformers streamer."""
+class _JobStreamer:
+    """Hands a request's own `generate` call's new tokens to its transformers streamer (the prompt, which
+    `generate` hands first, was already sent)."""
 
-    def __init__(self, jobs):
-        self.jobs, self.first = jobs, True
+    def __init__(self, job):
+        self.job, self.first = job, True
 
     def put(self, value):
+        job = self.job
         if self.first:  # the prompt
             self.first = False
             return
-        if len(self.jobs) != 1:
-            raise RuntimeError("a batched call must stream through put_rows")
-        self.put_rows([value.reshape(-1)])
-
-    def put_rows(self, rows):
-        for job, tokens in zip(self.jobs, rows):
-            if job.streamer is None or len(tokens) == 0 or job.cancelled():
-                continue
-            try:
-                job.streamer.put(tokens)
-            except tf.generation_cancelled_error():
-                continue  # the row is stopped by _CancelledRows at its next check
-            if not job.streamed:
-                job.mark_started()
-            job.streamed += len(tokens)
+        tokens = value.reshape(-1)
+        if len(tokens) == 0 or job.cancelled():
+            return
+        try:
+            job.streamer.put(tokens)
+        except tf.generation_cancelled_error():
+            return  # the call is stopped by _Cancelled at its next check
+        if not job.streamed:
+            job.mark_started()
+        job.streamed += len(tokens)
 
     def end(self):
-        pass  # each request's stream is ended once its row's result is known
+        pass  # the request's stream is ended once its result is known
 
 
-class _CancelledRows:
-    """Stops the rows whose client disconnected, so a batch does not decode for nobody."""
+class _Cancelled:
+    """Stops a call whose client disconnected, so it does not decode for nobody."""
 
-    mars_stateless = True  # depends on the clients, not on which positions it has seen: the fast path may call it
+    mars_stateless = True  # depends on the client, not on which positions it has seen: the fast path may call it
 
-    def __init__(self, jobs):
-        self.jobs = jobs
+    def __init__(self, job):
+        self.job = job
 
     def __call__(self, input_ids, scores=None, **kwargs):
-        return torch.tensor([job.cancelled() for job in self.jobs], dtype=torch.bool, device=input_ids.device)
+        return torch.full((input_ids.shape[0],), self.job.cancelled(), dtype=torch.bool, device=input_ids.device)
 
 
 class MARSBatchingManager:
@@ -258,7 +255,7 @@ class MARSBatchingManager:
                 self.metrics.cancelled.inc()
                 job.resolve()
             elif not job.mars or job.seed is not None:
-                self._decode([job], load)
+                self._decode(job, load)
             else:
                 self._join(engine, job, load)
         except Exception as e:  # noqa: BLE001 - this request's own failure; the decode thread goes on
@@ -337,102 +334,70 @@ class MARSBatchingManager:
                 continue
             job.tokens = []
             try:
-                self._generate([job], load, time.perf_counter())
+                self._generate(job, load, time.perf_counter())
             except Exception as alone:  # noqa: BLE001 - this request's own failure
                 self.metrics.failed_alone.inc()
                 job.resolve(error=alone)
 
-    # ---- one batched generate call
-    def _decode(self, group, load):
-        m = self.metrics
+    # ---- a request decoded alone (plain, seeded, or retried after a failed step)
+    def _decode(self, job, load):
         started = time.perf_counter()
-        jobs = []
-        for job in group:
-            m.queue_wait.observe(started - job.arrived)
-            if job.cancelled():
-                m.cancelled.inc()
-                job.resolve()
-            else:
-                jobs.append(job)
-        if not jobs:
+        self.metrics.queue_wait.observe(started - job.arrived)
+        if job.cancelled():
+            self.metrics.cancelled.inc()
+            job.resolve()
             return
         try:
-            self._generate(jobs, load, started)
-        except Exception as e:  # noqa: BLE001 - answered below, per request
-            if len(jobs) == 1:
-                jobs[0].resolve(error=e)
-                return
-            for job in jobs:  # the batch failed: each request that has streamed nothing is decoded alone
-                if job.streamed:
-                    job.resolve(error=e)
-                    continue
-                try:
-                    self._generate([job], load, time.perf_counter())
-                except Exception as alone:  # noqa: BLE001 - this request's own failure
-                    m.failed_alone.inc()
-                    job.resolve(error=alone)
+            self._generate(job, load, started)
+        except Exception as e:  # noqa: BLE001 - this request's own failure
+            job.resolve(error=e)
 
-    def _generate(self, jobs, load, started):
-        m = self.metrics
-        model, processor = self.model, self.processor
-        tokenizer = getattr(processor, "tokenizer", processor)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        width = max(len(job.input_ids) for job in jobs)
-        input_ids = torch.full((len(jobs), width), pad, dtype=torch.long)
-        attention_mask = torch.zeros((len(jobs), width), dtype=torch.long)
-        for r, job in enumerate(jobs):
-            input_ids[r, width - len(job.input_ids):] = torch.tensor(job.input_ids)
-            attention_mask[r, width - len(job.input_ids):] = 1
-        gc = copy.deepcopy(jobs[0].gen_config)
+    def _generate(self, job, load, started):
+        """One `generate` call for one request: its tokens, its stream and its metrics."""
+        m, model = self.metrics, self.model
+        gc = copy.deepcopy(job.gen_config)
         gc.return_dict_in_generate = True
         from transformers import StoppingCriteriaList
 
-        kwargs = dict(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
-                      generation_config=gc, tokenizer=processor,
-                      stopping_criteria=StoppingCriteriaList([_CancelledRows(jobs)]))
-        if any(job.streamer is not None for job in jobs):
-            for job in jobs:
-                if job.streamer is not None and not job.prompt_sent:
-                    job.streamer.put(torch.tensor(job.input_ids))  # transformers' streamer skips the prompt
-                    job.prompt_sent = True
-            kwargs["streamer"] = _RowStreamer(jobs)
+        input_ids = torch.tensor([job.input_ids], dtype=torch.long, device=model.device)
+        kwargs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gc,
+                      tokenizer=self.processor, stopping_criteria=StoppingCriteriaList([_Cancelled(job)]))
+        if job.streamer is not None:
+            if not job.prompt_sent:
+                job.streamer.put(torch.tensor(job.input_ids))  # transformers' streamer skips the prompt
+                job.prompt_sent = True
+            kwargs["streamer"] = _JobStreamer(job)
         tau = None
-        if jobs[0].mars:
-            tau = jobs[0].tau if jobs[0].tau is not None else self.ladder.tau_for(load)
+        if job.mars:
+            tau = job.tau if job.tau is not None else self.ladder.tau_for(load)
             kwargs.update(mars=True, mars_threshold=tau, **self.mars_options)
             if self.lossless:
                 kwargs["mars_verify"] = True
-                if jobs[0].tau is None:  # verify's own draft threshold
+                if job.tau is None:  # verify's own draft threshold
                     kwargs.pop("mars_threshold")
                     tau = DEFAULT_VERIFY_THRESHOLD
         else:
             kwargs["mars"] = False
-        if jobs[0].seed is not None:  # a seeded request decodes alone: the generator state is its own
-            torch.manual_seed(jobs[0].seed)
+        if job.seed is not None:  # a seeded request decodes alone: the generator state is its own
+            torch.manual_seed(job.seed)
         with torch.inference_mode():
             out = model.generate(**kwargs)
         elapsed = time.perf_counter() - started
-        seq = out.sequences[:, width:].cpu()
-        if getattr(out, "mars_emitted_tokens", None) is not None:
-            emitted = out.mars_emitted_tokens.tolist()
-            forwards = out.mars_forward_passes.tolist()
-        else:  # plain generate, one request
-            emitted = [seq.shape[1]]
-            forwards = [seq.shape[1]]
-        done = time.perf_counter()
-        for r, job in enumerate(jobs):
-            if job.cancelled():
-                m.cancelled.inc()
-            job.resolve(seq[r, : emitted[r]])
-            m.latency.observe(done - job.arrived)
-        total, fwd = sum(emitted), sum(forwards)
-        m.tokens.inc(total)
+        tokens = out.sequences[0, input_ids.shape[1]:].cpu()
+        emitted = int(out.mars_emitted_tokens[0]) if getattr(out, "mars_emitted_tokens", None) is not None else None
+        forwards = int(out.mars_forward_passes[0]) if emitted is not None else tokens.shape[0]  # plain: one a token
+        emitted = tokens.shape[0] if emitted is None else emitted
+        if job.cancelled():
+            m.cancelled.inc()
+        job.resolve(tokens[:emitted])
+        m.latency.observe(time.perf_counter() - job.arrived)
+        m.tokens.inc(emitted)
         m.decode_seconds.inc(elapsed)
-        m.forwards.inc(fwd)
-        m.tokens_per_forward.set(total / max(fwd, 1))
-        m.tokens_per_second.set(total / max(elapsed, 1e-9))
-        m.batch_size.observe(len(jobs))
-        if jobs[0].mars:
+        m.forwards.inc(forwards)
+        m.tokens_per_forward.set(emitted / max(forwards, 1))
+        m.tokens_per_second.set(emitted / max(elapsed, 1e-9))
+        m.batch_size.observe(1)
+        if job.mars:
             label = self.ladder.label(tau) if not self.lossless or tau != DEFAULT_VERIFY_THRESHOLD else f"{tau:g}"
             m.batches.labels(tau=f"verify {label}" if self.lossless else label).inc()
             m.tau.set(tau)

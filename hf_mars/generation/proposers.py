@@ -1,0 +1,101 @@
+"""Who lays out a step, and the one place a step's layout is chosen (`choose_layout`).
+
+Every MARS step is plan -> forward -> read -> accept -> roll back -> commit (`MARSDecoder.step`, the only step).
+The ways of decoding differ only in how a step's chunk is laid out (which pending drafts and masks each row
+feeds), how its candidate slots are read, and which cache columns stay afterwards. A proposer holds those parts,
+as vLLM's speculative decoding separates its proposers from the rejection sampler; what every proposer accepts is
+decided by `rules.py`'s rules:
+
+- `CANDIDATES`: threshold mode (candidate 0, then the masks while confident), the block cache, and verify mode's
+  draft chain (pending drafts, then masks that propose the next ones); laid out by `plan.plan_step`.
+- `TREE_ROOT`: a draft tree's first step: the chain's prefill ``[prompt | masks]``, read as the root's mask group.
+- `TREE`: a draft tree's decode steps: top-k candidates per depth and a mask group after the likely path ends
+  (`tree.py`).
+"""
+
+from __future__ import annotations
+
+from .exact import decide_exact
+from .plan import plan_step
+from .rules import take_columns
+
+
+def choose_layout(dec):
+    """The proposer that lays out ``dec``'s next step: the one point where a step's layout is chosen.
+
+    Today the call's options decide it once (a draft tree where `tree.refusal` allows one, else the candidates
+    laid out by `plan.plan_step`); a per-step policy (say, one that weighs a wider step's cost against the tokens
+    it is expected to yield) replaces this function: it sees the decoder's per-step inputs (``dec.rows``,
+    ``dec.shape``, ``dec.opts``) and returns a proposer."""
+    if dec.tree_shape is None:
+        return CANDIDATES
+    return TREE_ROOT if dec.rows.fed[0] == -dec.prompt_len else TREE
+
+
+class Candidates:
+    """Threshold mode, the block cache and verify mode's draft chain: per row [uncached committed | pending drafts
+    | masks], right-aligned; the slots from candidate 0 on are read (in the compiled graph when greedy with no
+    processor), accepted on the host (`MARSDecoder.decide`, or position by position with stateful clients:
+    `exact.decide_exact`), and the masks' and rejected drafts' columns are cropped."""
+
+    name = "candidates"
+
+    def plan(self, dec):
+        return plan_step(dec)
+
+    def forward_and_accept(self, dec, plan):
+        """The forward and its decision; returns (decision, the step's record, what `roll_back` needs)."""
+        input_ids, position_ids, col_real = dec.chunk(plan)
+        if plan.read_slots:  # (compiled, greedy, no processor: the graph reads the slots)
+            decision = dec.decide(plan, dec.forward_read(plan, input_ids, position_ids, col_real))
+            raw_logits = None
+        else:
+            logits = dec.forward(plan, input_ids, position_ids, col_real)
+            slot_logits, raw_logits = dec.candidate_slots(plan, logits)
+            decision = decide_exact(dec, plan, slot_logits) if dec.clients.exact else dec.decide(
+                plan, dec.read_slots(plan, slot_logits))
+
+        def record(accepted):
+            return decision.scores if dec.output_scores else None, raw_logits, accepted
+
+        return decision, record, col_real
+
+    def roll_back(self, dec, plan, col_real, accepted, finished) -> int:
+        return dec.roll_back(plan, col_real, accepted, finished)
+
+
+class TreeRoot(Candidates):
+    """A draft tree's first step: the chain's prefill; its mask group after the last prompt token gives the
+    first tree's candidates (rows at tau >= 1 read candidate 0 only)."""
+
+    name = "tree root"
+
+    def forward_and_accept(self, dec, plan):
+        input_ids, position_ids, col_real = dec.chunk(plan)
+        logits = dec.forward(plan, input_ids, position_ids, col_real)
+        groups = [0 if dec.one_token_row(r) else dec.group for r in range(dec.batch)]
+        trees = [dec.empty_tree() for _ in range(dec.batch)]
+        decision, _, emit_slots = dec.decide_tree(plan, dec.suppressed(logits[:, :1 + dec.group]), trees, groups)
+        return decision, lambda accepted: dec.path_records(decision.scores, emit_slots, accepted), col_real
+
+
+class TreeSteps:
+    """A draft tree's decode steps: [uncached committed | nodes | mask groups] under a tree-shaped attention mask;
+    AR's token at every node decides the accepted path (`rules.accepted_path`), whose columns alone stay."""
+
+    name = "tree"
+
+    def plan(self, dec):
+        return dec.plan_tree()
+
+    def forward_and_accept(self, dec, plan):
+        logits = dec.forward(plan, plan.input_ids, plan.pos_t, None, dec.tree_attention(plan))
+        slot_logits = logits if plan.slot_col_t is None else take_columns(logits, plan.slot_col_t)
+        decision, paths, emit_slots = dec.decide_tree(plan, dec.suppressed(slot_logits), plan.trees, plan.groups)
+        return decision, lambda accepted: dec.path_records(decision.scores, emit_slots, accepted), paths
+
+    def roll_back(self, dec, plan, paths, accepted, finished) -> int:
+        return dec.keep_paths(plan, paths)
+
+
+CANDIDATES, TREE_ROOT, TREE = Candidates(), TreeRoot(), TreeSteps()
