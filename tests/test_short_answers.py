@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from hf_mars.demo.short_answers import benchmark_short_answers, format_short_answers, no_cache_decode
+from hf_mars.bench.short_answers import benchmark_short_answers, format_short_answers, no_cache_decode
 from hf_mars.generation import enable_mars, mask_token_id
 
 PROMPTS = ["hello world", "a", "the quick brown fox", "xy", "abc abc abc"]

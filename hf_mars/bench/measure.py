@@ -166,7 +166,7 @@ def _check_counts(repeats, max_new_tokens, batch_sizes) -> None:
 
 def _time_short_answers(bench, thresholds, static_compile: bool, say) -> dict:
     """Each prompt one call at a time against MARS without a KV cache (the short-answer comparison)."""
-    from hf_mars.demo.short_answers import benchmark_short_answers
+    from hf_mars.bench.short_answers import benchmark_short_answers
     from hf_mars.generation import mask_token_id
 
     return benchmark_short_answers(

@@ -74,7 +74,7 @@ def format_table(result: dict) -> str:
     out.append(f"model: {md['class']}, {md['parameters'] / 1e6:.2f}M parameters, hidden {md['hidden_size']}, "
                f"{md['num_hidden_layers']} layers, {md['dtype']}; B={bsz}, max_new_tokens={result['settings']['max_new_tokens']}")
     if result.get("short_answers"):
-        from hf_mars.demo.short_answers import format_short_answers
+        from hf_mars.bench.short_answers import format_short_answers
 
         out += ["", format_short_answers(result["short_answers"])]
     return "\n".join(out)
