@@ -233,6 +233,42 @@ def test_the_policys_own_choices_stay_greedy(peaky, monkeypatch, plain_pays):
         assert "plain" not in history, history
 
 
+def test_rows_joining_a_cost_batch_stay_greedy(peaky, monkeypatch):
+    """`MARSEngine` (rows join and leave between steps) with draft_tree='cost' and random layouts per row and step:
+    every row decodes what plain greedy decodes."""
+    from transformers import GenerationConfig
+
+    from hf_mars.generation.engine import MARSEngine
+
+    model, tok = peaky
+    rng, batches = random.Random(1), set()
+
+    def choose(self, rows, uncached, candidates):
+        layouts = [rng.choice([PLAIN] + self.layouts) if u is not None else None for u in uncached]
+        batches.add(rows)
+        return policy_module.Choice(layouts, 0, 1.0, all(x is None or x.plain for x in layouts))
+
+    monkeypatch.setattr(DraftPolicy, "choose", choose)
+    engine, got, arrivals = MARSEngine(model), {}, [(0, PROMPTS[0], 20), (0, PROMPTS[1], 8), (3, PROMPTS[2], 16)]
+    step, pending = 0, list(arrivals)
+    while pending or len(engine):
+        while pending and pending[0][0] <= step:
+            _, prompt, max_new = pending.pop(0)
+            config = GenerationConfig(max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id)
+            events = engine.add(prompt, tok([prompt]).input_ids[0], config, None, mars_verify=True,
+                                mars_draft_tree="cost")
+            for handle, tokens, _, _ in events:
+                got.setdefault(handle, []).extend(tokens)
+        for handle, tokens, _, _ in engine.step(0.0) if len(engine) else ():
+            got.setdefault(handle, []).extend(tokens)
+        step += 1
+    for _, prompt, max_new in arrivals:
+        enc = tok([prompt], return_tensors="pt")
+        ref = model.generate(**enc, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id)
+        assert got[prompt] == ref[0, enc.input_ids.shape[1]:].tolist(), prompt
+    assert len(batches) > 1  # the policy laid out steps of batches that rows joined and left
+
+
 @pytest.mark.parametrize("tree", [None, "auto", "chain", "2,1,1"])
 def test_only_cost_consults_the_policy(peaky, monkeypatch, tree):
     """The default and every fixed layout decode as before: no policy is made, no step is chosen by timing."""
