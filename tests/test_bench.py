@@ -232,3 +232,49 @@ def test_help_shows_the_defaults(capsys):
                           ("--batch-sizes", "[1, 4, 16]"), ("--dtype", "float32")]:
         assert f"(default: {default})" in text.split(f"{flag} ", 1)[1].split(" --", 1)[0], flag
     assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_cost_rows_report_the_layouts_chosen(make_model):
+    """`--draft-trees auto cost`: the 'cost' row records the layouts its policy chose in the timed calls (the
+    default tree's row has none), both identical to greedy, and the table prints the shares."""
+    from hf_mars.generation.policy import menu
+
+    model, tok = make_model(seed=1, hidden_size=32)
+    result = bench.benchmark_generation(model, tok, thresholds=[], batch_sizes=[2], caches=["sliding"],
+                                        verify_thresholds=[0.0], max_new_tokens=12, num_prompts=4, repeats=1,
+                                        warmup=1, cost_repeats=1, progress=False, peers=(),
+                                        draft_trees=("auto", "cost"))
+    auto, cost = (next(r for r in result["rows"] if r.get("draft_tree") == t) for t in ("auto", "cost"))
+    assert auto["matches_ar"] == 1.0 and cost["matches_ar"] == 1.0
+    assert "policy_layouts" not in auto
+    labels = {"plain"} | {layout.label() for layout in menu(result["settings"]["block_size"], 0.03)}
+    assert cost["policy_layouts"] and set(cost["policy_layouts"]) <= labels
+    counts = list(cost["policy_layouts"].values())
+    assert counts == sorted(counts, reverse=True)
+    assert "'cost' chose per step:" in bench.format_table(result)
+
+
+def test_compiled_rows_leave_the_hook_columns_blank(make_model, monkeypatch):
+    """A row whose calls pass a compile_config gets no limit / eff / lim(w) / ideal / ovh / model ms / step/c1:
+    those are read from the eager forward's hooks, which miss a compiled graph's forwards. (A compile_config on a
+    dynamic cache runs eagerly: the test needs no compiling, only the row's arguments.)"""
+    from transformers import CompileConfig
+
+    from hf_mars.bench import measure
+    from hf_mars.bench.specs import RunSpec, build_specs
+
+    def specs(*args, **kwargs):
+        out = build_specs(*args, **kwargs)
+        verify = out[-1]
+        return out + [RunSpec("verify", verify.threshold, "compiled", {**verify.kwargs, "compile_config": CompileConfig()})]
+
+    monkeypatch.setattr(measure, "build_specs", specs)
+    model, tok = make_model(seed=1, hidden_size=32)
+    result = bench.benchmark_generation(model, tok, thresholds=[], batch_sizes=[1], caches=["sliding"],
+                                        verify_thresholds=[0.0], max_new_tokens=6, num_prompts=2, repeats=1,
+                                        warmup=0, cost_repeats=1, progress=False, peers=())
+    eager, compiled = result["rows"][-2:]
+    assert compiled["cache"] == "compiled" and compiled["tokens_per_s"] > 0 and compiled["speedup_vs_ar"] > 0
+    assert all(compiled[key] is None for key in measure.COMPILED_BLANK)
+    assert eager["limit"] > 0 and eager["step_cost_vs_1"] > 0
+    bench.format_table(result)

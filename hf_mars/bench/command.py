@@ -49,8 +49,9 @@ def add_arguments(parser):
                         help="What a user would run instead, timed in the same run: prompt-lookup decoding (batch 1) and "
                              "plain generate with the static cache + torch.compile (warm-up compiles; none: skip).")
     parser.add_argument("--draft-trees", nargs="*", default=["auto", "chain"],
-                        help="Verify mode's mars_draft_tree settings, each benchmarked ('auto', 'chain' or a shape "
-                             "like '2,1,1,1'); the table reports each one's tokens per forward, its step cost against "
+                        help="Verify mode's mars_draft_tree settings, each benchmarked ('auto', 'chain', 'cost' or "
+                             "a shape like '2,1,1,1'; 'cost' rows also report the layouts chosen per step); the "
+                             "table reports each one's tokens per forward, its step cost against "
                              "a 1-token step and the speed-up limit from the widths it forwarded.")
     parser.add_argument("--short-answers", action="store_true",
                         help="Also time every prompt one call at a time (batch 1) at each --thresholds tau against "

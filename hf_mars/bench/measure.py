@@ -32,8 +32,15 @@ from hf_mars.bench.prompts import encode_prompts, load_prompts, make_batches, sc
 from hf_mars.bench.specs import DEFAULT_ACCEPTANCE, RunSpec, build_specs
 from hf_mars.bench.timing import ForwardRecorder, _sync, count_emitted, machine_info, measure_step_costs
 from hf_mars.generation import DEFAULT_CACHE_BLOCK, DEFAULT_VERIFY_THRESHOLD
+from hf_mars.generation.policy import choices_for
 
 __all__ = ["benchmark_generation", "resolve_block_size"]
+
+
+# columns read from the eager forward's hooks (model time, widths): a compiled graph's forwards are not timed one by
+# one, so for compiled rows they would be meaningless (a limit of 20x for a row that ran 3x): left blank
+COMPILED_BLANK = ("limit", "efficiency", "limit_w", "ideal", "overhead_ms_per_step", "model_ms_per_step",
+                  "step_cost_vs_1")
 
 
 def _eos_ids(model) -> list[int]:
@@ -249,7 +256,13 @@ class _Bench:
         return per_spec
 
     def _generate_once(self, batch, spec, recorder):
-        return _generate_once(self.model, batch, spec, self.max_new_tokens, self.eos_ids, recorder, self.device)
+        """One generate call; with mars_draft_tree='cost' also the layouts its policy chose (`policy.choices_for`)."""
+        chosen = choices_for(self.model, batch[0].shape[0]) if spec.tree == "cost" else None
+        before = dict(chosen or {})
+        run = _generate_once(self.model, batch, spec, self.max_new_tokens, self.eos_ids, recorder, self.device)
+        if chosen is not None:
+            run["policy_layouts"] = {k: n - before.get(k, 0) for k, n in chosen.items() if n > before.get(k, 0)}
+        return run
 
     def step_costs(self, b: int, per_spec: dict) -> tuple[dict, dict]:
         """Step costs at this batch size, at the runs' cache-length scale (prompt + half the reply): widths 1 and
@@ -274,6 +287,8 @@ class _Bench:
             decode_widths = [w for run in reps[0] for w in run["widths"][1:]]
             row["_predicted_s"] = sum(table[w] for w in decode_widths)
             row["draft_tree"] = spec.tree
+            if spec.tree == "cost":  # the layouts the policy chose per step, over the timed calls
+                row["policy_layouts"] = _layout_counts(run for runs in reps for run in runs)
             row["acceptance"] = spec.acceptance
             # what a decode step of this configuration costs, in plain decode steps (a tree is wider)
             row["step_cost_vs_1"] = row["_predicted_s"] / len(decode_widths) / table[1] if decode_widths else None
@@ -287,6 +302,8 @@ class _Bench:
             rows.append(row)
         for row in rows:
             relative_figures(row, ar_row, costs)
+            if "compile_config" in row["generate_kwargs"]:
+                row.update(dict.fromkeys(COMPILED_BLANK))
         # against the fastest plain path a user can already have (plain generate, static cache + compile)
         plain = [r["tokens_per_s"] for r in rows if r["mode"] in ("ar", "ar_static_compile")]
         for row in rows:
@@ -300,6 +317,15 @@ class _Bench:
         hits = [score_record(records[g % len(records)], t) for g, t in enumerate(texts)
                 if records[g % len(records)]["answer"] is not None]
         return {"accuracy": sum(hits) / len(hits) if hits else None, "accuracy_n": len(hits)}
+
+
+def _layout_counts(runs) -> dict:
+    """{layout: steps} summed over runs, the most chosen first."""
+    total = {}
+    for run in runs:
+        for name, n in run.get("policy_layouts", {}).items():
+            total[name] = total.get(name, 0) + n
+    return dict(sorted(total.items(), key=lambda kv: -kv[1]))
 
 
 def _tqdm(**kw):

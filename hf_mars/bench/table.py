@@ -55,14 +55,21 @@ def format_table(result: dict) -> str:
         extra = "".join(f", cost({k[5:-3]}) {v:.2f} ms" for k, v in c.items() if k.startswith("cost_") and k not in ("cost_1_ms", f"cost_{1 + bsz}_ms"))
         out.append(f"  batch {b}: cost(1) {c['cost_1_ms']:.2f} ms, cost({1 + bsz}) {c[f'cost_{1 + bsz}_ms']:.2f} ms "
                    f"(ratio {c['ratio']:.2f}){extra}")
+    for row in result["rows"]:
+        if row.get("policy_layouts"):
+            total = sum(row["policy_layouts"].values())
+            shares = ", ".join(f"{name} {n / total:.0%}" for name, n in row["policy_layouts"].items())
+            out.append(f"  batch {row['batch_size']}: verify tau={row['threshold']:g} 'cost' chose per step: {shares}")
     out.append("speedup: median over repeats of the total time; (best): from each generate call's fastest repeat; "
                f"tok/s and times are medians over {result['settings']['repeats']} interleaved repeats")
     out.append("limit = (tokens per forward call, MARS/AR) x cost(1)/cost(1+B); eff = speedup/limit; "
                "lim(w) = the same with the cost of the widths actually forwarded; "
-               "ideal = speed-up with zero loop overhead (in-loop model time only); ovh = loop time outside forwards")
+               "ideal = speed-up with zero loop overhead (in-loop model time only); ovh = loop time outside forwards "
+               "(- for compiled steps: their forwards are not timed one by one)")
     out.append("rule = threshold mode's mars_acceptance when not the default (probability)")
     out.append("tree = verify mode's mars_draft_tree (auto: one draft per depth with masks after every node; chain: "
-               "masks after the last draft only); step/c1 = a decode step's measured cost over a 1-token step's, at "
+               "masks after the last draft only; cost: each step's layout chosen by measured cost, the shares above); "
+               "step/c1 = a decode step's measured cost over a 1-token step's, at "
                "the widths the run forwarded (a tree is wider: its speed-up is bounded by tok/fwd / step/c1 = lim(w))")
     out.append("=AR = share of answers identical token for token to plain greedy generate's (100% for tau = 1 and "
                "verify); acc = exact-match accuracy against the prompts' reference answers (- without them)")

@@ -23,6 +23,11 @@ def attn_implementation(config) -> str:
     return getattr(config, "_attn_implementation", None) or "eager"
 
 
+def checkpoint_name(model) -> str | None:
+    """The checkpoint a model was loaded from (config._name_or_path; None or "" for a model built in code)."""
+    return getattr(getattr(model, "config", None), "_name_or_path", None) or None
+
+
 def default_compile_config(model):
     """The compile config plain ``generate`` uses when the call passes none (``model._default_compile_config()``):
     MARS compiles its steps exactly when and as plain decoding would."""

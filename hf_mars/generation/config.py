@@ -23,8 +23,8 @@ DEFAULT_BLOCK_SIZE = 4  # the paper's default block size
 DEFAULT_CACHE_BLOCK = 16  # block-cache chunk; the paper's best is 16-32
 ACCEPTANCE_MODES = ("probability", "entropy", "margin")
 CACHE_MODES = ("sliding", "block", "block_trained")
-DRAFT_TREE_MODES = ("auto", "chain")  # besides a shape "k1,k2,...": see `parse_draft_tree`
-BOOL_FIELDS = ("verify", "use_last_mask", "compile_prefill", "guard_every_step")
+DRAFT_TREE_MODES = ("auto", "chain", "cost")  # besides a shape "k1,k2,...": see `parse_draft_tree`
+BOOL_FIELDS = ("verify", "use_last_mask", "compile_prefill", "guard_every_step", "plain_steps")
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,9 +80,12 @@ class MARSGenerationConfig:
         "costs its rejection), off in threshold mode (it costs accuracy there)."))
     draft_tree: str | None = _field(None, (
         "Verify mode's drafts: 'auto' (default: a tree where the call allows one, else the chain), 'chain' (one "
-        "draft per depth, new drafts only after all were accepted) or a tree shape 'k1,k2,...' (depth d offers "
-        "its mask's top-k_d tokens; masks after every node, so the next drafts are ready whichever path is "
-        "accepted). The output never depends on it."))
+        "draft per depth, new drafts only after all were accepted), 'cost' (drafts sized per step: each row's "
+        "layout (tree depth, branching, mask groups, or a plain 1-token step) chosen for the most expected tokens "
+        "per second from the masks' probabilities and the measured cost of a step's width; the choice depends on "
+        "timing, so it is opt-in) or a tree shape 'k1,k2,...' (depth d offers its mask's top-k_d tokens; masks "
+        "after every node, so the next drafts are ready whichever path is accepted). The output never depends on "
+        "it: every layout decodes exactly what plain greedy decodes."))
     draft_vocab: tuple | None = _field(None, (
         "Verify mode only: token ids (a list, tuple or 1-D tensor) that mask columns may draft; those columns get "
         "logits over these ids alone, every other column the full vocabulary. The output never depends on it (each "
@@ -101,6 +104,11 @@ class MARSGenerationConfig:
         "skip_guard_eval_unsafe stance, process-wide: used only while every other Python thread is a daemon), "
         "which saves 0.3-0.5 ms per step on CPU. Set it if code run between steps (a streamer, a logits "
         "processor) changes the model, or a daemon thread runs compiled code while generate runs."))
+    plain_steps: bool = _field(False, (
+        "Threshold mode (sliding cache, eager steps): take plain 1-token steps while the masks do not pay, judged "
+        "from the measured cost of a step by width and the tokens the wide steps accepted (tau is untouched: a "
+        "plain step only shortens a run). The output then depends on timing, so it is off by default; verify "
+        "mode's draft_tree='cost' makes the same choice losslessly."))
 
     def __post_init__(self):
         # the fields set to something other than their default: what a `mars_config=` passed to generate imposes
@@ -240,7 +248,7 @@ def _checked(cls, items: tuple, from_call: frozenset):
 
 
 def parse_draft_tree(value, max_depth: int | None = None):
-    """A draft-tree option in its one form: 'auto', 'chain' or a shape string 'k1,k2,...' (from a string, a list
+    """A draft-tree option in its one form: 'auto', 'chain', 'cost' or a shape string 'k1,k2,...' (from a string, a list
     or a tuple of ints >= 1, at most ``max_depth`` deep: mask d predicts depth d, and there are B - 1 masks, B with
     the last one)."""
     if value is None:
@@ -253,7 +261,7 @@ def parse_draft_tree(value, max_depth: int | None = None):
     except (TypeError, ValueError):
         shape = ()
     if not shape or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in shape):
-        raise ValueError(f"mars_draft_tree must be 'auto', 'chain' or a shape like '2,1,1' (top-k per depth, "
+        raise ValueError(f"mars_draft_tree must be 'auto', 'chain', 'cost' or a shape like '2,1,1' (top-k per depth, "
                          f"ints >= 1), got {value!r}.")
     if max_depth is not None and len(shape) > max_depth:
         raise ValueError(f"mars_draft_tree {value!r} is {len(shape)} deep, but this call has {max_depth} draft "

@@ -12,6 +12,7 @@ chunk spans the rows).
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -29,6 +30,7 @@ from .forward import (
     takes_logits_to_keep,
 )
 from .plan import device_constant, positions, to_device
+from .policy import threshold_policy
 from .proposers import choose_layout
 from .rules import (
     Decision,
@@ -109,6 +111,8 @@ class MARSDecoder:
         self.compactable = not self.clients.exact and not self.shape.block and not self.cache.sliding
         self.lockstep = b > 1 and not self.clients.exact and (
             self.cache.sliding or (self.cache.static and self.shape.block))
+        # opt-in per-step policies (policy.py: draft_tree='cost' in `tree.TreeDecoder`, threshold mode's plain_steps)
+        self.policy, self.plain_step, self.step_choice = threshold_policy(self), False, None
 
     def _prepare_prompt(self, input_ids, attn, max_slots):
         """The token buffer (prompt | generated history, kept on the device only when processors or criteria
@@ -183,6 +187,7 @@ class MARSDecoder:
         (forward), its slots are read and accepted by the rules (read, accept), the cache drops what was not
         accepted (roll back) and the rows advance (commit)."""
         proposer = choose_layout(self)
+        started = time.perf_counter()  # timed to the end of its one host sync (no sync added): the policy's cost
         plan = proposer.plan(self)
         decision, record, kept = proposer.forward_and_accept(self, plan)
         accepted = [len(t) for t in decision.tokens]
@@ -198,6 +203,8 @@ class MARSDecoder:
             self.compactions += 1
         if self.clients.lagging is not None:
             self._check_lagging()
+        if self.policy is not None and not plan.first:
+            self.policy.observe_step(self, plan, time.perf_counter() - started, accepted)
         return any(rows.unfinished)
 
     def chunk(self, plan):

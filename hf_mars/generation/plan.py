@@ -95,6 +95,8 @@ def plan_step(dec) -> StepPlan:
     # a row at tau >= 1 reads candidate 0 only; masks are fed unless every row is such a row (the masks must
     # occupy the same last columns in every row, so that one crop drops them all)
     single = [shape.one_token or (t is not None and one_token(t)) for t in rows.tau]
+    if dec.plain_step:  # threshold mode's opt-in plain 1-token step (`policy.ThresholdPolicy`)
+        single = [True] * b
     no_masks = not block and not verify and all(single[r] for r in range(b) if unfinished[r])
     active, uncached, drafts, masks, slots = [False] * b, [0] * b, [0] * b, [0] * b, [0] * b
     for r in range(b):

@@ -23,13 +23,16 @@ from .rules import take_columns
 def choose_layout(dec):
     """The proposer that lays out ``dec``'s next step: the one point where a step's layout is chosen.
 
-    Today the call's options decide it once (a draft tree where `tree.refusal` allows one, else the candidates
-    laid out by `plan.plan_step`); a per-step policy (say, one that weighs a wider step's cost against the tokens
-    it is expected to yield) replaces this function: it sees the decoder's per-step inputs (``dec.rows``,
-    ``dec.shape``, ``dec.opts``) and returns a proposer."""
+    The call's options decide the proposer once (a draft tree where `tree.refusal` allows one, else the candidates
+    laid out by `plan.plan_step`). Where the call opted into a per-step policy (`policy.py`: draft_tree='cost',
+    threshold mode's plain_steps), it chooses each decode step's layout here, from the decoder's per-step inputs
+    (``dec.rows``, ``dec.shape``) and the measured cost of a step's width; every choice is lossless."""
+    first = dec.rows.fed[0] == -dec.prompt_len
+    if dec.policy is not None and not first:
+        dec.policy.choose_step(dec)
     if dec.tree_shape is None:
         return CANDIDATES
-    return TREE_ROOT if dec.rows.fed[0] == -dec.prompt_len else TREE
+    return TREE_ROOT if first else TREE
 
 
 class Candidates:

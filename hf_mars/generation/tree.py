@@ -26,7 +26,9 @@ from transformers.utils import logging as _hf_logging
 from ._compat import attn_implementation
 from .clients import history_free
 from .decoder import MARSDecoder
+from .cost import costs_for
 from .plan import to_device
+from .policy import DraftPolicy, choices_for, menu, propose_shape
 from .rules import Decision, accepted_path, confident, cut_at_stop, draft_count, draft_room, one_token, take_columns
 
 _logger = _hf_logging.get_logger(__name__)
@@ -121,8 +123,8 @@ class TreePlan:
 
 def shape_of(opts, max_drafts: int) -> tuple:
     """The tree shape an option names ('auto': one candidate per depth, masks after every node: the measured
-    best on a CPU, see docs/generation.md)."""
-    if opts.draft_tree == "auto":
+    best on a CPU, see docs/generation.md; 'cost' starts from it, then `policy.DraftPolicy` lays out each step)."""
+    if opts.draft_tree in ("auto", "cost"):
         return (1,) * max_drafts
     return tuple(int(k) for k in opts.draft_tree.split(","))
 
@@ -156,6 +158,11 @@ class TreeDecoder(MARSDecoder):
         if reason is None:
             self.tree_shape = shape_of(self.opts, self.shape.max_drafts)
             self.group = len(self.tree_shape)
+            self.propose_shape = self.tree_shape  # top-k kept per depth for the next step's candidates
+            if self.opts.draft_tree == "cost":  # each decode step's layout per row, by measured cost
+                layouts = menu(self.shape.max_drafts, GROUP_MIN_SHARE)
+                self.policy = DraftPolicy(costs_for(self.model), layouts, choices_for(self.model, self.batch))
+                self.propose_shape = propose_shape(layouts)
         elif asked and not self.do_sample:
             raise ValueError(f"mars_draft_tree={self.opts.draft_tree!r} cannot be used with {reason}. Leave "
                              "mars_draft_tree unset (the chain is used where a tree cannot be) or pass 'chain'.")
@@ -171,20 +178,36 @@ class TreeDecoder(MARSDecoder):
         tau = self.rows.tau[r]
         return tau is not None and one_token(tau)
 
+    def row_candidates(self) -> tuple:
+        """Per row (None for finished rows): its uncached committed tokens and its candidates, cut to what the
+        length limits let it emit (the nodes + the AR token fit); none for a row at tau >= 1."""
+        rows, uncached, candidates = self.rows, [None] * self.batch, [None] * self.batch
+        for r in range(self.batch):
+            if rows.unfinished[r]:
+                depth = draft_room(rows.limit[r] - rows.emitted[r], self.opts.max_accept)
+                candidates[r] = [] if self.one_token_row(r) else rows.drafts[r][:depth]
+                uncached[r] = rows.emitted[r] - rows.fed[r]
+        return uncached, candidates
+
     def plan_tree(self) -> TreePlan:
-        """Each active row's tree (its candidates, cut to what the length limits let it emit) and the chunk."""
-        b, rows, opts = self.batch, self.rows, self.opts
+        """Each active row's tree (the shape of the call's option, or the layout the 'cost' policy chose for the
+        row this step: `proposers.choose_layout`) and the chunk."""
+        b, rows = self.batch, self.rows
         plan = TreePlan(active=list(rows.unfinished), trees=[Tree([], [], []) for _ in range(b)],
                         uncached=[0] * b, groups=[0] * b, lens=[0] * b)
+        uncached, candidates = self.row_candidates()
+        layouts = None if self.step_choice is None else self.step_choice.layouts
         for r in range(b):
             if not rows.unfinished[r]:
                 continue
-            depth = draft_room(rows.limit[r] - rows.emitted[r], opts.max_accept)  # the nodes + the AR token fit
-            one = self.one_token_row(r)
-            tree = plan.trees[r] = Tree.grow([] if one else rows.drafts[r][:depth], self.tree_shape)
-            tree.choose_groups(GROUP_MIN_SHARE)
-            plan.uncached[r] = rows.emitted[r] - rows.fed[r]
-            plan.groups[r] = 0 if one else self.group
+            shape, group, share, one = self.tree_shape, self.group, GROUP_MIN_SHARE, self.one_token_row(r)
+            if layouts is not None:
+                shape, group, share = layouts[r].shape, layouts[r].group, layouts[r].min_share
+                one = one or layouts[r].plain
+            tree = plan.trees[r] = Tree.grow([] if one else candidates[r], shape)
+            tree.choose_groups(share)
+            plan.uncached[r] = uncached[r]
+            plan.groups[r] = 0 if one else group
             plan.lens[r] = plan.uncached[r] + len(tree.tokens) + len(tree.grouped) * plan.groups[r]
         plan.rows = [r for r in range(b) if plan.active[r]]
         plan.width = max(plan.lens)
@@ -241,7 +264,7 @@ class TreeDecoder(MARSDecoder):
         its drafts; none when the node has no masks)."""
         b, S = slot_logits.shape[:2]
         scores, chosen = self.process(plan, slot_logits, self.clients.processors)
-        k = max(self.tree_shape)
+        k = max(self.propose_shape)
         probs = torch.softmax(scores, dim=-1)
         tau = self.opts.threshold if self.tau_t is None else self.tau_t
         sure = confident(self.opts.acceptance, chosen, tau, probs=probs, of_distribution=True)
@@ -270,7 +293,7 @@ class TreeDecoder(MARSDecoder):
                 for j in range(draft_count(conf, first, start + g)):
                     at = (r * S + first + j) * k
                     drafts_next[r].append([(host[top_at + at + i], host[prob_at + at + i] / PROB_SCALE)
-                                           for i in range(self.tree_shape[j])])
+                                           for i in range(self.propose_shape[j])])
             stopped[r] = cut_at_stop(tokens[r], self.clients.eos_ids)
             del emit_slots[r][len(tokens[r]):]
         if len(self.clients.criteria) > 0:

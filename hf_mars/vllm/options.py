@@ -27,8 +27,9 @@ def speculative_config(**options) -> dict:
     ``block_size``: how many mask tokens (and so drafts) per step, at most the trained block size (the
     default). ``batch_ladder``: ``"BATCH:B,..."``, the block size by the number of requests in a step's batch,
     e.g. ``"1:4,16:2,48:0"`` (B = 0: plain steps, no masks); it runs on vLLM's dynamic speculative decoding
-    (``num_speculative_tokens_per_batch_size``). Unknown options are refused here rather than deep inside engine
-    start-up."""
+    (``num_speculative_tokens_per_batch_size``). Without one, a ladder is derived from measured step costs when
+    $HF_MARS_STEP_COSTS names an ``hf-mars bench`` report (`default_batch_ladder`). Unknown options are refused
+    here rather than deep inside engine start-up."""
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ValueError(f"hf_mars.vllm.speculative_config: unknown option(s) {unknown}; MARS takes only "
@@ -155,6 +156,10 @@ def mars_settings(options: dict, hf_config) -> dict:
         raise ValueError(f"MARS block_size={block} is larger than the trained block size {trained}: masks beyond "
                          "the trained distance predict poorly.")
     out = {"num_speculative_tokens": 2 * block}
+    if "batch_ladder" not in options:
+        derived = default_batch_ladder(block)
+        if derived:
+            options = {**options, "batch_ladder": derived}
     if "batch_ladder" in options:
         rungs = parse_batch_ladder(options["batch_ladder"])
         if max(b for _, b in rungs) > block:
@@ -162,6 +167,37 @@ def mars_settings(options: dict, hf_config) -> dict:
         ends = [start - 1 for start, _ in rungs[1:]] + [1 << 20]
         out["num_speculative_tokens_per_batch_size"] = [(s, e, 2 * b) for (s, b), e in zip(rungs, ends)]
     return out
+
+
+DEFAULT_PER_DEPTH = 0.6  # the drafts' pass rate per depth assumed when the report has no verify row to read it from
+
+
+def default_batch_ladder(block: int, report=None) -> str | None:
+    """The ladder a user did not give, from measured step costs: a ``hf-mars bench`` report (``report``, or the
+    path in $HF_MARS_STEP_COSTS; None without one: every step then drafts B). At each batch size the report timed,
+    the B with the most expected tokens per second for a 2B + 1 wide step (`policy.batch_ladder`), the drafts'
+    pass rate read from the report's best batch-1 verify row (tokens per forward)."""
+    import json
+    import os
+
+    from hf_mars.generation.cost import STEP_COSTS_ENV, StepCosts, seed_from_bench
+    from hf_mars.generation.policy import batch_ladder, per_depth_from_tokens
+
+    if report is None:
+        path = os.environ.get(STEP_COSTS_ENV)
+        if not path:
+            return None
+        with open(path) as f:
+            report = json.load(f)
+    costs = seed_from_bench(StepCosts(), report)
+    per_depth = DEFAULT_PER_DEPTH
+    verify = [r for r in report.get("rows", ()) if r.get("mode") == "verify" and r.get("batch_size") == 1
+              and r.get("tokens_per_forward")]
+    trained_block = report.get("settings", {}).get("block_size")
+    if verify and trained_block:
+        per_depth = per_depth_from_tokens(max(r["tokens_per_forward"] for r in verify), int(trained_block))
+    rungs = batch_ladder(costs, block, per_depth)
+    return ",".join(f"{b}:{k}" for b, k in rungs) if rungs else None
 
 
 def to_vllm(spec: dict, hf_config) -> dict:

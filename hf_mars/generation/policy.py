@@ -1,0 +1,367 @@
+"""Verify mode's opt-in ``draft_tree="cost"``: each step, the draft tree (or chain, or plain 1-token step) that is
+expected to emit the most tokens per second, from the drafts' own probabilities and the measured cost of a step's
+width.
+
+Why: no fixed layout is right everywhere. On the demo checkpoint on a CPU the all-top-1 tree with masks after
+every node wins at batch 1 and loses to the chain at batch 16, where a wide step costs 2.7x a 1-token step; on a
+real model whose masks are weak, every draft loses to plain decoding. A step's value is known before it runs:
+
+- the tokens it should emit: per row, 1 (the AR token) + the expected accepted drafts, the sum over the tree's
+  nodes of P(reach the node) = the product of the mask probabilities along its path (as `tree.Tree.choose_groups`
+  reads them), times a calibration factor, the running ratio of drafts accepted to drafts predicted;
+- whether the next step will have drafts: P(the accepted path ends at a node with masks after it), worth the
+  running average of drafts accepted per row-step (`future`);
+- what it costs: `cost.StepCosts` at the step's (rows, width).
+
+The step's width is the widest row's, so rows are chosen together: for each candidate width, every row takes its
+best layout that fits, and the width with the most value per second wins ("per row where rows differ"). A plain
+step drops the drafts, and a row with no drafts emits one token whatever its layout, so plain vs drafting is a
+choice between regimes: drafting continues while the drafts in hand pay now or the drafting regime's measured
+rate (tokens per drafting step over its cost) beats plain steps; a plain regime probes drafting again now and
+then. Costs unknown yet are explored by taking the step once (a plain step, the first time). Every choice is
+lossless: a layout only decides which drafts are checked, never what is emitted (`rules.accepted_path`).
+
+Opt-in, not the default: its choices depend on timing, and on a shared machine its measured figures did not beat
+the fixed default tree ("auto"). The decoder asks it at `proposers.choose_layout` (before a step, `choose_step`)
+and tells it the step's time from `MARSDecoder.step` (after it, `observe_step`). `ThresholdPolicy` is threshold
+mode's opt-in counterpart (``plain_steps``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+EMA = 0.2  # the drafting steps' width, averaged
+# drafts accepted and predicted, averaged over ~1/RECORD steps; before the drafts have a record one accepted draft
+# per row-step is assumed, worth PRIOR_STEPS steps, so that a few unlucky first steps do not switch drafting off
+# (a running mean with the prior counted in, until its weight falls to RECORD)
+RECORD, PRIOR_ACCEPTED, PRIOR_STEPS = 0.05, 1.0, 8
+PROBE_EVERY = 32  # plain steps in a row before drafting is tried again (the masks may pay on this text)
+# a decoder's first 16 drafting steps take the default layout (the 'auto' tree): the warm-up that times it and gives
+# the drafts a record before anything narrower or plain is tried; then a plain step is taken once to time it
+EXPLORE_AFTER = 16
+CAL_BOUNDS = (0.05, 2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One step's draft layout for a row: top-k per depth (``shape``), masks per group (``group``, 0: a plain
+    1-token step) and which nodes get a group (``min_share``: `tree.Tree.choose_groups`; 1.0: only the likeliest
+    end of the path, the chain's habit)."""
+
+    shape: tuple
+    group: int
+    min_share: float
+
+    @property
+    def plain(self) -> bool:
+        return self.group == 0
+
+    def label(self) -> str:
+        if self.plain:
+            return "plain"
+        one = "" if self.min_share < 1.0 else "/1g"
+        return ",".join(map(str, self.shape)) + one
+
+
+PLAIN = Layout((), 0, 1.0)
+
+
+def menu(max_drafts: int, min_share: float) -> list:
+    """The drafting layouts the policy weighs: all-top-1 trees of every depth (masks after every likely end), the
+    full-depth one with a single group (chain-like width), and two branching shapes. Every group holds all
+    ``max_drafts`` masks: a shallower group would propose shallower drafts, and a step choosing by the drafts in
+    hand could then never see that deeper ones pay (the depth is chosen from the nodes instead)."""
+    out = [Layout((1,) * d, max_drafts, min_share) for d in range(1, max_drafts + 1)]
+    if max_drafts >= 1:
+        out.append(Layout((1,) * max_drafts, max_drafts, 1.0))
+    for wide in ((2, 1, 1, 1), (2, 2, 1, 1)):
+        shape = wide[:max_drafts]
+        if max_drafts >= 2 and Layout(shape, max_drafts, min_share) not in out:
+            out.append(Layout(shape + (1,) * (max_drafts - len(shape)), max_drafts, min_share))
+    return out
+
+
+def propose_shape(layouts) -> tuple:
+    """Top-k to keep per depth when proposing: enough for every layout the next step may choose."""
+    depth = max((layout.group for layout in layouts), default=0)
+    return tuple(max([layout.shape[j] for layout in layouts if j < len(layout.shape)] or [1]) for j in range(depth))
+
+
+def tree_value(candidates, layout) -> tuple:
+    """(nodes, groups, expected accepted drafts, P(the path ends at a node with masks)) of ``layout`` over one
+    row's candidates (per depth, (token, probability) pairs, best first)."""
+    from .tree import Tree  # (tree.py imports this module's users: imported late)
+
+    tree = Tree.grow(candidates, layout.shape)
+    tree.choose_groups(layout.min_share)
+    reach, child = {-1: 1.0}, {-1: 0.0}
+    for node, (parent, prob) in enumerate(zip(tree.parents, tree.probs)):
+        reach[node] = reach[parent] * prob
+        child[node] = 0.0
+        child[parent] += prob
+    grouped_end = sum(reach[n] * max(0.0, 1.0 - child[n]) for n in tree.grouped)
+    return len(tree.tokens), len(tree.grouped), sum(reach.values()) - 1.0, min(grouped_end, 1.0)
+
+
+@dataclasses.dataclass
+class Choice:
+    """A step's layouts: one per row (None for inactive rows), and what the policy expected of it."""
+
+    layouts: list
+    width: int
+    expected: float  # drafts expected accepted (uncalibrated: the calibration compares against it)
+    plain: bool
+
+
+class DraftPolicy:
+    """The per-decoder state of the layout choice (calibration, drafting rate, exploration) over a shared
+    `cost.StepCosts`. ``layouts``: the drafting layouts it may choose (`menu`)."""
+
+    def __init__(self, costs, layouts, history: dict | None = None):
+        self.costs, self.layouts = costs, list(layouts)
+        # running means (the prior first, then EMA) of drafts predicted / accepted per drafting row-step
+        self.predicted = self.accepted = PRIOR_ACCEPTED
+        self.tokens = None  # ... of tokens per row of a drafting step (1 + accepted)
+        self.width = None  # ... of a drafting step's width
+        self.plain_run = 0  # plain steps in a row
+        self.drafting_timed = 0
+        self.history = {} if history is None else history  # layout label -> steps it was chosen (`choices_for`)
+
+    # ------------------------------------------------------------ arithmetic
+    @property
+    def calibration(self) -> float:
+        if not self.predicted:
+            return 1.0
+        return min(max(self.accepted / self.predicted, CAL_BOUNDS[0]), CAL_BOUNDS[1])
+
+    @property
+    def future(self) -> float:
+        """Drafts a row is expected to have accepted in a step that starts with drafts."""
+        return self.accepted
+
+    def rate(self, rows, width, tokens) -> float | None:
+        cost = self.costs.estimate(rows, width)
+        return None if cost is None else tokens / cost
+
+    def drafting_rate(self, rows, n_active) -> float | None:
+        """The drafting regime's measured rate (tokens per second of a drafting step), None before it is known."""
+        if self.tokens is None or self.width is None:
+            return None
+        return self.rate(rows, round(self.width), self.tokens * n_active)
+
+    # ------------------------------------------------------------ the choice
+    def choose(self, rows: int, uncached: list, candidates: list) -> Choice:
+        """The step's layouts. ``rows``: the batch's rows (what a forward computes); ``uncached`` and
+        ``candidates`` per row (None: an inactive row), candidates as `tree.Tree.grow` takes them."""
+        active = [r for r, u in enumerate(uncached) if u is not None]
+        n = len(active)
+        plain_width = max(uncached[r] for r in active)
+        plain_rate = self.rate(rows, plain_width, n)
+        cal, future = self.calibration, self.future
+        options = {}  # row -> [(width, value, immediate, expected, layout)]
+        for r in active:
+            opts = [(uncached[r], 1.0, 1.0, 0.0, PLAIN)]
+            for layout in self.layouts:
+                nodes, groups, expected, grouped_end = tree_value(candidates[r], layout)
+                width = uncached[r] + nodes + groups * layout.group
+                immediate = 1.0 + cal * expected
+                opts.append((width, immediate + future * grouped_end, immediate, expected, layout))
+            options[r] = opts
+        has_drafts = any(candidates[r] for r in active)
+        if self.drafting_timed < EXPLORE_AFTER:  # the warm-up
+            return self._default(options)
+        if plain_rate is None:
+            return self._plain(uncached, plain_width)  # a plain step not timed yet at this row count: once
+        best = self._best_drafting(rows, options)
+        if best is None:  # too little timed yet: the default layout, timed from here on
+            return self._default(options)
+        width, picks, immediate = best
+        regime = self.drafting_rate(rows, n)
+        now = self.rate(rows, width, immediate)
+        drafting_pays = (regime is None or regime >= plain_rate
+                         or (has_drafts and now is not None and now >= plain_rate))
+        if not drafting_pays and self.plain_run < PROBE_EVERY:
+            return self._plain(uncached, plain_width)
+        return self._finish(picks, width)
+
+    def _best_drafting(self, rows, options):
+        """Over every width a drafting layout gives: each row's best-valued layout that fits; the width whose
+        value per second is highest. None when the costs cannot tell (fewer than two widths timed)."""
+        widths = sorted({o[0] for opts in options.values() for o in opts if not o[4].plain})
+        best, best_rate = None, -1.0
+        for width in widths:
+            cost = self.costs.estimate(rows, width)
+            if cost is None:
+                return None
+            picks, value, immediate = {}, 0.0, 0.0
+            for r, opts in options.items():
+                fit = [o for o in opts if o[0] <= width and not o[4].plain] or [opts[0]]
+                pick = max(fit, key=lambda o: (o[1], -o[0]))
+                picks[r], value, immediate = pick, value + pick[1], immediate + pick[2]
+            if value / cost > best_rate:
+                best, best_rate = (max(p[0] for p in picks.values()), picks, immediate), value / cost
+        return best
+
+    def _default(self, options):
+        default = self.layouts[0] if len(self.layouts) == 1 else _deepest_grouped(self.layouts)
+        picks = {r: next(o for o in opts if o[4] == default) for r, opts in options.items()}
+        return self._finish(picks, max(p[0] for p in picks.values()))
+
+    def _plain(self, uncached, width) -> Choice:
+        self.plain_run += 1
+        self.history["plain"] = self.history.get("plain", 0) + 1
+        return Choice([PLAIN if u is not None else None for u in uncached], width, 0.0, True)
+
+    def _finish(self, picks, width) -> Choice:
+        self.plain_run = 0
+        layouts = [None] * (max(picks) + 1 if picks else 0)
+        for r, pick in picks.items():
+            layouts[r] = pick[4]
+            self.history[pick[4].label()] = self.history.get(pick[4].label(), 0) + 1
+        return Choice(layouts, width, sum(p[3] for p in picks.values()), False)
+
+    # ------------------------------------------------------------ the decoder's hooks
+    def choose_step(self, dec) -> None:
+        """Before a tree decode step: the layouts of ``dec``'s rows (`tree.TreeDecoder.plan_tree` reads them)."""
+        uncached, candidates = dec.row_candidates()
+        dec.step_choice = self.choose(dec.batch, uncached, candidates)
+
+    def observe_step(self, dec, plan, seconds: float, accepted: list) -> None:
+        """After it: its time, and the drafts each active row accepted (the tokens it emitted but the AR one)."""
+        if dec.step_choice is not None:
+            self.observe(dec.step_choice, dec.batch, plan.width, seconds, [max(accepted[r] - 1, 0) for r in plan.rows])
+        dec.step_choice = None
+
+    # ------------------------------------------------------------ after the step
+    def observe(self, choice: Choice, rows: int, width: int, seconds: float, accepted_drafts: list) -> None:
+        """A step ran: its time goes to the cost table; a drafting step's accepted drafts (per active row) update
+        the calibration and the drafting rate."""
+        self.costs.record(rows, width, seconds)
+        if choice.plain or not accepted_drafts:
+            return
+        self.drafting_timed += 1
+        n = len(accepted_drafts)
+        got = sum(accepted_drafts) / n
+        weight = max(RECORD, 1.0 / (PRIOR_STEPS + self.drafting_timed))
+        self.predicted += weight * (choice.expected / n - self.predicted)
+        self.accepted += weight * (got - self.accepted)
+        self.tokens = 1.0 + self.accepted
+        self.width = _ema(self.width, float(width))
+
+
+class ThresholdPolicy:
+    """Threshold mode's one choice: a step with its K - 1 masks or a plain 1-token step (tau is untouched: a plain
+    step only shortens the run the masks would have added to the AR token). Plain steps are taken while the
+    wide steps' measured rate (tokens per row-step, a running mean from the same prior as verify's, over their
+    measured cost) is below a plain step's; the first plain step is taken once to time it, and a plain stretch
+    tries a wide step every PROBE_EVERY steps (its tokens are how the record learns the masks pay again)."""
+
+    def __init__(self, costs, history: dict | None = None):
+        self.costs = costs
+        self.tokens = 1.0 + PRIOR_ACCEPTED  # per row of a wide step
+        self.wide_steps = self.plain_run = 0
+        self.history = {} if history is None else history
+
+    def plain(self, rows: int, wide_width: int, plain_width: int) -> bool:
+        plain_cost = self.costs.estimate(rows, plain_width)
+        if plain_cost is None:
+            take = self.wide_steps >= EXPLORE_AFTER
+        else:
+            wide_cost = self.costs.estimate(rows, wide_width)
+            take = (wide_cost is not None and self.tokens / wide_cost < 1.0 / plain_cost
+                    and self.plain_run < PROBE_EVERY)
+        self.plain_run = self.plain_run + 1 if take else 0
+        label = "plain" if take else "masks"
+        self.history[label] = self.history.get(label, 0) + 1
+        return take
+
+    def choose_step(self, dec) -> None:
+        """Before a decode step: whether ``dec``'s step is plain (`plan.plan_step` reads ``dec.plain_step``)."""
+        rows = dec.rows
+        uncached = max((rows.emitted[r] - rows.fed[r] for r in range(dec.batch) if rows.unfinished[r]), default=0)
+        dec.plain_step = self.plain(dec.batch, uncached + dec.shape.candidates - 1, uncached)
+
+    def observe_step(self, dec, plan, seconds: float, accepted: list) -> None:
+        self.observe(dec.plain_step, dec.batch, plan.width, seconds, [accepted[r] for r in plan.rows])
+
+    def observe(self, plain: bool, rows: int, width: int, seconds: float, tokens: list) -> None:
+        self.costs.record(rows, width, seconds)
+        if plain or not tokens:
+            return
+        self.wide_steps += 1
+        weight = max(RECORD, 1.0 / (PRIOR_STEPS + self.wide_steps))
+        self.tokens += weight * (sum(tokens) / len(tokens) - self.tokens)
+
+
+_CHOICES: dict = {}
+
+
+def threshold_policy(dec):
+    """Threshold mode's plain-step policy where the call asked for it (``plain_steps``) and it can apply: eager
+    steps of a sliding cache whose rows move independently (None elsewhere)."""
+    if not dec.opts.plain_steps or dec.opts.verify or dec.shape.one_token or dec.shape.block or dec.clients.exact \
+            or dec.lockstep or dec.shape.fixed_width:
+        return None
+    from .cost import costs_for
+
+    return ThresholdPolicy(costs_for(dec.model, "chunk"), choices_for(dec.model, dec.batch, "chunk"))
+
+
+def choices_for(model, rows: int, loop: str = "tree") -> dict:
+    """How often each layout was chosen for this model / device / dtype, loop and batch size in this process
+    ({label: steps}); `hf-mars bench` reports it per batch size."""
+    from .cost import model_key
+
+    return _CHOICES.setdefault((model_key(model), int(rows), loop), {})
+
+
+def _deepest_grouped(layouts):
+    """The warm-up's layout, verify's default tree ("auto"): the all-top-1 tree of full depth, masks after every
+    likely end."""
+    chains = [layout for layout in layouts if set(layout.shape) == {1} and layout.min_share < 1.0]
+    return max(chains, key=lambda layout: len(layout.shape)) if chains else layouts[0]
+
+
+def _ema(old, new):
+    return new if old is None else old + EMA * (new - old)
+
+
+# ---------------------------------------------------------------- vLLM's batch ladder from the same arithmetic
+def expected_chain_tokens(per_depth: float, block: int) -> float:
+    """Tokens a request emits per step with ``block`` chained drafts that each pass with ``per_depth``: 1 + the
+    sum of P(reach depth d) (`tree_value` over a one-candidate-per-depth tree)."""
+    if block <= 0:
+        return 1.0
+    return 1.0 + tree_value([[(0, per_depth)]] * block, Layout((1,) * block, block, 1.0))[2]
+
+
+def per_depth_from_tokens(tokens_per_step: float, block: int) -> float:
+    """The per-depth pass rate that gives ``tokens_per_step`` with ``block`` drafts (bisection on
+    `expected_chain_tokens`): a measured tokens/forward turned into the rate the ladder weighs."""
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_chain_tokens(mid, block) < tokens_per_step else (lo, mid)
+    return (lo + hi) / 2
+
+
+def batch_ladder(costs, max_block: int, per_depth: float, width=lambda block: 2 * block + 1) -> list:
+    """[(batch, B), ...] from 1 up: at each batch size the cost table knows, the block size B in 0..max_block
+    whose expected tokens per second is highest (B = 0: plain steps); ``width``: the positions a request feeds
+    per step with B drafts (vLLM's MARS step: B pending drafts, B masks and one token). Rungs repeat no B."""
+    rungs = []
+    for rows in sorted(costs.widths_by_rows()):
+        best = max(range(max_block + 1), key=lambda block: _ladder_rate(costs, rows, block, per_depth, width) or -1.0)
+        if _ladder_rate(costs, rows, best, per_depth, width) is None:
+            continue
+        if not rungs or rungs[-1][1] != best:
+            rungs.append((rows, best))
+    if rungs:
+        rungs[0] = (1, rungs[0][1])
+    return rungs
+
+
+def _ladder_rate(costs, rows, block, per_depth, width):
+    cost = costs.estimate(rows, width(block))
+    return None if cost is None else expected_chain_tokens(per_depth, block) / cost

@@ -1,0 +1,371 @@
+"""The opt-in draft policy (``mars_draft_tree="cost"``, `hf_mars.generation.policy`) and the step-cost table it
+reads (`hf_mars.generation.cost`): their arithmetic, the choices they make under known costs, that every choice,
+switching layouts between steps and falling back to plain steps included, decodes exactly what plain greedy
+decodes, and that the default ("auto") never consults it."""
+
+import json
+import random
+
+import pytest
+import torch
+
+import hf_mars.generation.policy as policy_module
+from hf_mars.generation import cost, enable_mars
+from hf_mars.generation.policy import PLAIN, DraftPolicy, Layout, menu, propose_shape, tree_value
+
+PROMPTS = ["hello world", "a", "the quick brown fox", "xy"]
+
+
+def _cands(*probs):
+    """Per depth one or more (token, probability) pairs, tokens numbered by depth."""
+    return [[(10 * d + i, p) for i, p in enumerate(ps)] for d, ps in enumerate(probs)]
+
+
+# ------------------------------------------------------------------------------------------ the cost table
+
+
+def test_costs_interpolate_between_measured_widths_and_follow_the_nearest_slope():
+    table = cost.StepCosts()
+    table.record(4, 1, 0.010)
+    assert table.estimate(4, 1) == 0.010
+    assert table.estimate(4, 9) is None  # one width says nothing about how cost grows
+    table.record(4, 9, 0.018)
+    assert table.estimate(4, 5) == pytest.approx(0.014)
+    assert table.estimate(4, 13) == pytest.approx(0.022)  # beyond: the last slope
+    assert table.estimate(16, 5) is None  # another row count is its own curve
+    table.record(4, 9, 0.026)  # a moving average, not the last sample
+    assert 0.018 < table.estimate(4, 9) < 0.026
+
+
+def test_costs_seeded_from_a_bench_report_give_way_to_the_decoders_own_steps(tmp_path):
+    report = {"step_costs": {"4": {"past_len": 80, "table_ms": {"1": 10.0, "5": 12.0, "13": 20.0}}}}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    table = cost.seed_from_bench(cost.StepCosts(), str(path))
+    assert table.snapshot() == {4: {1: 0.010, 5: 0.012, 13: 0.020}}
+    table.record(4, 5, 0.030)  # a bench times a bare forward; the first own step replaces it
+    assert table.estimate(4, 5) == 0.030
+    table.seed(4, {5: 0.001, 7: 0.016})  # seeding never overwrites what was measured
+    assert table.estimate(4, 5) == 0.030 and table.estimate(4, 7) == 0.016
+
+
+def test_costs_are_kept_per_model_device_and_dtype(make_model, monkeypatch, tmp_path):
+    cost.forget_all()
+    a, _ = make_model(seed=0)
+    b, _ = make_model(seed=1)
+    assert cost.costs_for(a) is cost.costs_for(a)
+    assert cost.costs_for(a) is not cost.costs_for(b)  # unnamed models: one table each
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"step_costs": {"1": {"table_ms": {"1": 2.0, "9": 3.0}}}}))
+    monkeypatch.setenv(cost.STEP_COSTS_ENV, str(path))
+    cost.forget_all()
+    assert cost.costs_for(a).estimate(1, 5) == pytest.approx(0.0025)
+    cost.forget_all()
+
+
+# ------------------------------------------------------------------------------------------ the arithmetic
+
+
+def test_tree_value_reads_the_masks_probabilities():
+    chain = Layout((1, 1, 1), 3, 0.03)
+    nodes, groups, expected, grouped_end = tree_value(_cands([.9], [.5], [.8]), chain)
+    assert nodes == 3
+    assert expected == pytest.approx(.9 + .45 + .36)  # P(reach) of each node
+    # ends: root .1, node 0 .45, node 1 .09, node 2 .36: all above 0.03, so every end has masks
+    assert groups == 4 and grouped_end == pytest.approx(1.0)
+    one_group = Layout((1, 1, 1), 3, 1.0)  # only the likeliest end (node 0) keeps masks
+    assert tree_value(_cands([.9], [.5], [.8]), one_group)[1:] == (1, pytest.approx(1.71), pytest.approx(.45))
+    wide = Layout((2, 1, 1), 3, 0.03)
+    nodes, _, expected, _ = tree_value(_cands([.6, .3], [.5], [.5]), wide)
+    assert nodes == 6 and expected == pytest.approx(.6 + .3 + (.6 + .3) * .5 + (.6 + .3) * .25)
+    assert tree_value([], chain) == (0, 1, 0.0, 1.0)  # no drafts: the root's masks propose
+
+
+def test_menu_and_the_shape_proposals_keep():
+    layouts = menu(4, 0.03)
+    labels = [layout.label() for layout in layouts]
+    assert labels == ["1", "1,1", "1,1,1", "1,1,1,1", "1,1,1,1/1g", "2,1,1,1", "2,2,1,1"]
+    assert propose_shape(layouts) == (2, 2, 1, 1)
+    assert all(layout.group == 4 for layout in layouts)  # every group proposes the full depth
+    assert menu(1, 0.03)[0] == Layout((1,), 1, 0.03) and PLAIN.plain and PLAIN.label() == "plain"
+
+
+class _Costs(cost.StepCosts):
+    """Costs from a formula: a + slope x rows x width (a step of a CPU-bound model)."""
+
+    def __init__(self, base, slope):
+        super().__init__()
+        self.base, self.slope = base, slope
+
+    def estimate(self, rows, width):
+        return self.base + self.slope * rows * width
+
+
+def _policy(costs, depth=4):
+    policy = DraftPolicy(costs, menu(depth, 0.03))
+    policy.drafting_timed = policy_module.EXPLORE_AFTER
+    return policy
+
+
+def test_wide_steps_that_cost_little_draft_the_full_tree():
+    policy = _policy(_Costs(0.010, 0.00001))
+    choice = policy.choose(1, [1], [_cands([.9], [.9], [.9], [.9])])
+    assert not choice.plain and choice.layouts[0] == Layout((1, 1, 1, 1), 4, 0.03)
+
+
+def test_costly_width_shortens_the_drafts_and_weak_drafts_fall_back_to_plain():
+    costs = _Costs(0.001, 0.001)  # every column costs as much as the fixed part: width is what matters
+    policy = _policy(costs)
+    confident = [_cands([.95], [.3], [.3], [.3])] * 16
+    choice = policy.choose(16, [1] * 16, confident)
+    nodes, groups, _, _ = tree_value(confident[0], Layout((1, 1, 1, 1), 4, 0.03))  # the full tree: 21 wide
+    assert not choice.plain and choice.width < 1 + nodes + 4 * groups
+    assert Layout((1, 1, 1, 1), 4, 0.03) not in choice.layouts
+    weak = [_cands([.05], [.05], [.05], [.05])] * 16
+    policy.accepted, policy.predicted, policy.tokens, policy.width = 0.05, 0.05, 1.05, 9.0
+    assert policy.choose(16, [1] * 16, weak).plain
+
+
+def test_plain_regime_probes_drafting_again():
+    policy = _policy(_Costs(0.001, 0.001))
+    policy.accepted, policy.predicted, policy.tokens, policy.width = 0.0, 0.5, 1.0, 9.0  # drafting never paid
+    rows = 4
+    plain = [policy.choose(rows, [1] * rows, [[]] * rows).plain for _ in range(policy_module.PROBE_EVERY + 1)]
+    assert all(plain[:-1]) and not plain[-1]
+
+
+def test_unknown_costs_take_the_default_then_time_a_plain_step_once():
+    table = cost.StepCosts()
+    policy = DraftPolicy(table, menu(4, 0.03))
+    cands = [_cands([.9], [.9], [.9], [.9])]
+    first = policy.choose(1, [1], cands)
+    assert first.layouts[0] == Layout((1, 1, 1, 1), 4, 0.03)  # today's default before anything is timed
+    for _ in range(policy_module.EXPLORE_AFTER):
+        policy.observe(first, 1, 25, 0.02, [3])
+    assert policy.choose(1, [1], cands).plain  # the plain step's cost is unknown: taken once
+    policy.observe(policy_module.Choice([PLAIN], 1, 0.0, True), 1, 1, 0.01, [])
+    assert not policy.choose(1, [1], cands).plain  # 4 tokens for 2x the time of one
+
+
+def test_observe_calibrates_the_masks_probabilities():
+    policy = DraftPolicy(cost.StepCosts(), menu(2, 0.03))
+    assert policy.calibration == 1.0 and policy.future == policy_module.PRIOR_ACCEPTED  # before any record
+    choice = policy_module.Choice([Layout((1, 1), 2, 0.03)] * 2, 7, 3.0, False)  # 1.5 drafts per row predicted
+    for _ in range(200):
+        policy.observe(choice, 2, 7, 0.01, [0, 1])  # 0.5 accepted
+    assert policy.calibration == pytest.approx(1 / 3, rel=1e-3)
+    assert policy.future == pytest.approx(0.5, rel=1e-3) and policy.tokens == pytest.approx(1.5, rel=1e-3)
+    fresh = DraftPolicy(cost.StepCosts(), menu(2, 0.03))
+    fresh.observe(choice, 2, 7, 0.01, [0, 0])  # one bad step moves the prior by 1 / (PRIOR_STEPS + 1) only
+    assert fresh.future == pytest.approx(1.0 - 1.0 / (policy_module.PRIOR_STEPS + 1))
+
+
+def test_a_preempted_step_barely_moves_the_cost():
+    table = cost.StepCosts()
+    table.record(1, 5, 0.010)
+    table.record(1, 5, 0.500)  # preempted
+    assert table.estimate(1, 5) < 0.040
+    table.record(1, 5, 0.008)
+    assert table.estimate(1, 5) < 0.040
+
+
+# ------------------------------------------------------------------------------------------ equal to greedy
+
+
+@pytest.fixture
+def peaky(make_model):
+    model, tok = make_model(seed=1, initializer_range=1.0)
+    enable_mars(model)
+    return model, tok
+
+
+def _greedy_and_verify(model, tok, prompts, max_new_tokens=24, tree="cost"):
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    ref = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, mars_verify=True,
+                         mars_threshold=0.0, mars_draft_tree=tree, return_dict_in_generate=True)
+    return ref, out
+
+
+def test_random_layouts_every_step_stay_greedy(peaky, monkeypatch):
+    """Whatever the policy picks, per row and per step (every tree of the menu, plain steps, switching at every
+    step), the output is plain greedy's."""
+    model, tok = peaky
+    rng = random.Random(0)
+    seen = set()
+
+    def choose(self, rows, uncached, candidates):
+        options = [PLAIN] + self.layouts
+        layouts = [rng.choice(options) if u is not None else None for u in uncached]
+        seen.update(layout.label() for layout in layouts if layout is not None)
+        if all(layout is None or layout.plain for layout in layouts):
+            return policy_module.Choice(layouts, 1, 0.0, True)
+        return policy_module.Choice(layouts, 0, 1.0, False)
+
+    monkeypatch.setattr(DraftPolicy, "choose", choose)
+    for prompts in (PROMPTS, PROMPTS[2:3]):
+        ref, out = _greedy_and_verify(model, tok, prompts)
+        assert torch.equal(out.sequences, ref)
+    assert {"plain", "1", "1,1,1,1", "1,1,1,1/1g", "2,2,1,1"} <= seen
+
+
+@pytest.mark.parametrize("plain_pays", [True, False])
+def test_the_policys_own_choices_stay_greedy(peaky, monkeypatch, plain_pays):
+    """Costs where a wide step does not pay (the policy falls back to plain steps, probing now and then) and
+    where it does (it drafts): the same output as plain greedy either way."""
+    model, tok = peaky
+    made = []
+    original = DraftPolicy.__init__
+
+    def init(self, costs, layouts, history=None):
+        original(self, _Costs(0.001, 0.01) if plain_pays else _Costs(0.010, 0.0), layouts)
+        self.drafting_timed = policy_module.EXPLORE_AFTER
+        made.append(self)
+
+    monkeypatch.setattr(DraftPolicy, "__init__", init)
+    monkeypatch.setattr(policy_module, "PROBE_EVERY", 3)
+    ref, out = _greedy_and_verify(model, tok, PROMPTS, max_new_tokens=32)
+    assert torch.equal(out.sequences, ref)
+    history = made[-1].history
+    if plain_pays:
+        assert history.get("plain", 0) > 0 and len(history) > 1, history  # plain steps, and probes between them
+    else:
+        assert "plain" not in history, history
+
+
+def test_rows_joining_a_cost_batch_stay_greedy(peaky, monkeypatch):
+    """`MARSEngine` (rows join and leave between steps) with draft_tree='cost' and random layouts per row and step:
+    every row decodes what plain greedy decodes."""
+    from transformers import GenerationConfig
+
+    from hf_mars.generation.engine import MARSEngine
+
+    model, tok = peaky
+    rng, batches = random.Random(1), set()
+
+    def choose(self, rows, uncached, candidates):
+        layouts = [rng.choice([PLAIN] + self.layouts) if u is not None else None for u in uncached]
+        batches.add(rows)
+        return policy_module.Choice(layouts, 0, 1.0, all(x is None or x.plain for x in layouts))
+
+    monkeypatch.setattr(DraftPolicy, "choose", choose)
+    engine, got, arrivals = MARSEngine(model), {}, [(0, PROMPTS[0], 20), (0, PROMPTS[1], 8), (3, PROMPTS[2], 16)]
+    step, pending = 0, list(arrivals)
+    while pending or len(engine):
+        while pending and pending[0][0] <= step:
+            _, prompt, max_new = pending.pop(0)
+            config = GenerationConfig(max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id)
+            events = engine.add(prompt, tok([prompt]).input_ids[0], config, None, mars_verify=True,
+                                mars_draft_tree="cost")
+            for handle, tokens, _, _ in events:
+                got.setdefault(handle, []).extend(tokens)
+        for handle, tokens, _, _ in engine.step(0.0) if len(engine) else ():
+            got.setdefault(handle, []).extend(tokens)
+        step += 1
+    for _, prompt, max_new in arrivals:
+        enc = tok([prompt], return_tensors="pt")
+        ref = model.generate(**enc, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id)
+        assert got[prompt] == ref[0, enc.input_ids.shape[1]:].tolist(), prompt
+    assert len(batches) > 1  # the policy laid out steps of batches that rows joined and left
+
+
+@pytest.mark.parametrize("tree", [None, "auto", "chain", "2,1,1"])
+def test_only_cost_consults_the_policy(peaky, monkeypatch, tree):
+    """The default and every fixed layout decode as before: no policy is made, no step is chosen by timing."""
+    model, tok = peaky
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a policy was made for a fixed layout")
+
+    monkeypatch.setattr(DraftPolicy, "__init__", refuse)
+    monkeypatch.setattr(policy_module.ThresholdPolicy, "__init__", refuse)
+    ref, out = _greedy_and_verify(model, tok, PROMPTS, tree=tree)
+    assert torch.equal(out.sequences, ref)
+    enc = tok(PROMPTS[:1], return_tensors="pt")
+    model.generate(**enc, max_new_tokens=8, do_sample=False, mars=True, mars_threshold=0.5)  # plain_steps off
+
+
+def test_cost_layouts_are_counted_for_the_bench(peaky):
+    model, tok = peaky
+    chosen = policy_module.choices_for(model, len(PROMPTS))
+    chosen.clear()
+    ref, out = _greedy_and_verify(model, tok, PROMPTS)
+    assert torch.equal(out.sequences, ref)
+    assert sum(chosen.values()) > 0 and set(chosen) <= {"plain"} | {layout.label() for layout in menu(4, 0.03)}
+
+
+# ------------------------------------------------------------------------------------------ vLLM's default ladder
+
+
+def _report(per_forward_b1=2.6):
+    """A bench report: a forward's cost grows with the positions it feeds (rows x width) past a flat start."""
+    def table(rows):
+        return {str(w): 10.0 + 0.02 * max(rows * w - 32, 0) for w in (1, 3, 5, 7, 9)}
+    return {"settings": {"block_size": 4},
+            "step_costs": {str(b): {"table_ms": table(b)} for b in (1, 4, 16, 64, 256)},
+            "rows": [{"mode": "verify", "batch_size": 1, "tokens_per_forward": per_forward_b1}]}
+
+
+def test_the_ladder_drafts_less_as_the_batch_makes_width_costly():
+    from hf_mars.vllm.options import default_batch_ladder, parse_batch_ladder
+
+    ladder = parse_batch_ladder(default_batch_ladder(4, _report()))
+    assert ladder[0] == (1, 4)  # a wide step is free at batch 1
+    blocks = [b for _, b in ladder]
+    assert blocks == sorted(blocks, reverse=True) and blocks[-1] < 4
+    assert policy_module.per_depth_from_tokens(policy_module.expected_chain_tokens(0.7, 4), 4) == pytest.approx(0.7)
+    weak = parse_batch_ladder(default_batch_ladder(4, _report(per_forward_b1=1.05)))
+    assert weak[-1][1] == 0 and weak[-1][0] <= ladder[-1][0]  # weak drafts: plain steps, and sooner
+
+
+def test_mars_settings_take_the_derived_ladder_only_when_none_is_given(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from hf_mars.vllm.options import mars_settings
+
+    config = SimpleNamespace(mars={"mask_token_id": 5, "block_size": 4}, vocab_size=100, eos_token_id=1,
+                             pad_token_id=0, bos_token_id=2, layer_types=["full_attention"])
+    monkeypatch.delenv(cost.STEP_COSTS_ENV, raising=False)
+    assert mars_settings({}, config) == {"num_speculative_tokens": 8}  # no measured costs: as before
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(_report()))
+    monkeypatch.setenv(cost.STEP_COSTS_ENV, str(path))
+    derived = mars_settings({}, config)["num_speculative_tokens_per_batch_size"]
+    assert derived[0][:2] == (1, derived[1][0] - 1) and derived[0][2] == 8 and derived[-1][2] < 8
+    given = mars_settings({"batch_ladder": "1:2"}, config)
+    assert given["num_speculative_tokens_per_batch_size"] == [(1, 1 << 20, 4)]
+
+
+# ------------------------------------------------------------------------------------------ threshold mode
+
+
+def test_threshold_steps_go_plain_only_while_the_masks_do_not_pay():
+    costs = _Costs(0.002, 0.0005)  # a 5-wide step costs 1.8x a 1-wide one
+    policy = policy_module.ThresholdPolicy(costs)
+    assert not policy.plain(1, 5, 1)  # the prior: 2 tokens for 1.8x the time
+    policy.tokens = 1.2  # a record of 1.2 tokens per wide step: plain pays
+    assert policy.plain(1, 5, 1)
+    policy.tokens = 3.5  # the masks pay
+    assert not policy.plain(1, 5, 1)
+    cheap = policy_module.ThresholdPolicy(_Costs(0.010, 0.0))  # width is free: the masks always pay
+    cheap.tokens = 1.01
+    assert not cheap.plain(16, 5, 1)
+
+
+def test_threshold_plain_steps_emit_the_ar_token(peaky, monkeypatch):
+    """A plain step in threshold mode is an AR step: after the prefill (its masks' tokens at tau = 0), every token
+    is the model's argmax at its prefix, one per forward, whatever tau."""
+    model, tok = peaky
+    monkeypatch.setattr(policy_module.ThresholdPolicy, "plain", lambda self, rows, wide, narrow: True)
+    for prompt in PROMPTS[:3]:
+        enc = tok([prompt], return_tensors="pt")
+        out = model.generate(**enc, max_new_tokens=16, do_sample=False, mars=True, mars_threshold=0.0,
+                             mars_plain_steps=True, return_dict_in_generate=True)
+        seq, P = out.sequences[0], enc.input_ids.shape[1]
+        decode_steps = int(out.mars_forward_passes[0]) - 1
+        from_prefill = int(out.mars_emitted_tokens[0]) - decode_steps
+        assert from_prefill > 1 and decode_steps > 0  # (tau = 0: the prefill took its masks' tokens)
+        with torch.no_grad():
+            argmax = model(seq[None]).logits[0].argmax(-1)
+        start = P + from_prefill
+        assert torch.equal(seq[start:start + decode_steps], argmax[start - 1:start - 1 + decode_steps])
