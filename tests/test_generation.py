@@ -846,7 +846,7 @@ def test_compiled_mars_has_its_own_recompile_budget(peaky):
 
 def _stances_of_compiled_steps(monkeypatch):
     """Record torch.compile's stance as each compiled decode step starts (what its guards ran under)."""
-    from hf_mars.generation import decoder as decoder_module
+    from hf_mars.generation import model_calls
 
     stances = []
 
@@ -862,7 +862,7 @@ def _stances_of_compiled_steps(monkeypatch):
         return compiled
 
     for name in ("compiled_decode_call", "compiled_read_call"):
-        monkeypatch.setattr(decoder_module, name, recording(getattr(decoder_module, name)))
+        monkeypatch.setattr(model_calls, name, recording(getattr(model_calls, name)))
     return stances
 
 

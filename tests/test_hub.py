@@ -328,7 +328,8 @@ EXPECTED_FILES = sorted(["README.md", "chat_template.jinja", "config.json", "cus
                          "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
                         + [f"custom_generate/{name}.py" for name in (
                             "_compat", "api", "cache", "clients", "config", "cost", "decoder", "draft_vocab", "exact",
-                            "forward", "generate", "plan", "policy", "proposers", "rules", "state", "tree")])
+                            "forward", "generate", "history", "limits", "model_calls", "outputs", "plan", "policy",
+                            "prompt", "proposers", "row_tensors", "rules", "state", "tree")])
 
 
 def test_dry_run_lists_exactly_what_upload_folder_commits(saved, tmp_path, monkeypatch, no_network):

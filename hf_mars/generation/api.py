@@ -26,7 +26,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import check_rollback
 from .config import MARS_ARGUMENTS, MARSGenerationConfig, config_value, mask_token_id, text_config
-from .decoder import LOOP_KWARGS, MARSDecoder, cache_key
+from .decoder import MARSDecoder
+from .model_calls import LOOP_KWARGS, cache_key
 from .tree import TreeDecoder
 
 
@@ -143,12 +144,12 @@ def mars_generate(model, input_ids, logits_processor=None, stopping_criteria=Non
     if not generation_config.return_dict_in_generate:
         return sequences
     # the cache is returned only when it has no masked-out columns (it can then be reused as is)
-    clean_cache = decoder.cache.cache if decoder.cache.attn is None and decoder.prompt_attn is None else None
+    clean_cache = decoder.cache.cache if decoder.cache.attn is None and decoder.prompt.attn is None else None
     fields = MARSGenerateOutput.__dataclass_fields__
     return MARSGenerateOutput(
         sequences=sequences,
-        scores=decoder.assemble(0) if decoder.output_scores else None,
-        logits=decoder.assemble(1) if decoder.output_logits else None,
+        scores=decoder.assemble(0) if decoder.outputs.scores else None,
+        logits=decoder.assemble(1) if decoder.outputs.logits else None,
         mars_forward_passes=torch.tensor(decoder.rows.forwards, dtype=torch.long, device=decoder.device),
         mars_emitted_tokens=torch.tensor(decoder.rows.emitted, dtype=torch.long, device=decoder.device),
         **{("cache" if "cache" in fields else "past_key_values"): clean_cache},

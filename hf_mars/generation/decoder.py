@@ -16,22 +16,19 @@ import time
 
 import torch
 
-from ._compat import compiles_on_any_device, default_compile_config
 from .cache import RollbackCache
 from .clients import history_free, sort_clients
-from .config import config_value, mask_token_id, text_config
-from .draft_vocab import DraftVocabulary
-from .forward import (
-    GuardedSteps,
-    compiled_decode_call,
-    compiled_prefill_call,
-    compiled_read_call,
-    pad_prefill,
-    takes_logits_to_keep,
-)
-from .plan import device_constant, positions, to_device
+from .config import mask_token_id
+from .forward import pad_prefill
+from .history import History
+from .limits import Limits
+from .model_calls import ModelCalls, cache_key
+from .outputs import Outputs
+from .plan import to_device
 from .policy import threshold_policy
+from .prompt import Prompt
 from .proposers import choose_layout
+from .row_tensors import RowTensors
 from .rules import (
     Decision,
     choose,
@@ -48,137 +45,54 @@ from .rules import (
 )
 from .state import Rows, Shape, SlotRead
 
-# model kwargs the loop manages itself ("past_key_values" is the cache's name before transformers 5.2x)
-LOOP_KWARGS = ("cache", "past_key_values", "attention_mask", "position_ids", "use_cache", "logits_to_keep",
-               "inputs_embeds")
-
-
-def cache_key(model_kwargs) -> str:
-    return "past_key_values" if "past_key_values" in model_kwargs and "cache" not in model_kwargs else "cache"
-
 
 class MARSDecoder:
     """The rows of one MARS generation (threshold, block-cache or verify mode) and the step that advances them."""
 
     def __init__(self, model, input_ids, logits_processor, stopping_criteria, generation_config, opts, streamer,
                  model_kwargs, mask_id=None):
-        self.model, self.opts, self.streamer = model, opts, streamer
-        self.device = input_ids.device
+        self.model, self.opts, self.device = model, opts, input_ids.device
         b, P = input_ids.shape
-        self.batch, self.prompt_len = b, P
+        self.prompt_len = P
         self.do_sample = bool(generation_config.do_sample)
-        self.output_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
-        self.output_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
+        self.outputs = Outputs(generation_config)  # scores / logits per emitted position, statistics
         self.mask_token_id = mask_token_id(model) if mask_id is None else mask_id
-        self.clients = sort_clients(logits_processor, stopping_criteria, self.mask_token_id, self.output_scores)
-        self.reads_history = self.clients.reads_history
-        self.suppress_t = device_constant(tuple(self.clients.suppress), self.device)
-        eos_ids = tuple(sorted(set(self.clients.eos_ids)))
-        self.eos_t = device_constant(eos_ids, self.device) if eos_ids else None
-        max_length = self.clients.max_length
-        if max_length is None:
-            max_length = generation_config.max_length
-        if max_length is None:
-            raise ValueError("MARS decoding needs a length limit: pass max_new_tokens or max_length.")
-        self.max_new = int(max_length) - P
-        pad = generation_config.pad_token_id
-        if pad is None and self.clients.eos_ids:
-            pad = self.clients.eos_ids[0]
-        self.pad = pad if isinstance(pad, int) else int(torch.as_tensor(pad).flatten()[0]) if pad is not None else 0
+        self.clients = sort_clients(logits_processor, stopping_criteria, self.mask_token_id, self.outputs.scores)
         single = one_token(opts.threshold)
         candidates = opts.block_size + 1 if opts.use_last_mask else opts.block_size
         self.shape = Shape(candidates=candidates, max_drafts=0 if single else candidates - 1,
                            one_token=single, block=opts.cache in ("block", "block_trained"), chunk=opts.cache_block)
-        # candidate slots a step can read: verify's pending drafts, the AR token and the new drafts
-        self.max_slots = max_slots = 2 * self.shape.max_drafts + 1 if opts.verify else candidates
-        self.buf_len = P + max(self.max_new, 0) + max_slots + 2
-        self.step_room = 3 * candidates + 2  # cache columns one step may write (an upper bound)
+        self.limits = limits = Limits(self.clients, generation_config, self.shape, opts.verify, P, self.device)
         self.cache = RollbackCache(model, generation_config, model_kwargs.get(cache_key(model_kwargs)), b,
-                                   needed=P + max(self.max_new, 0) + self.step_room)
-        prompt_tokens = self._prepare_prompt(input_ids, model_kwargs.get("attention_mask"), max_slots)
-        self._prepare_forward(generation_config, model_kwargs)
-        self.rows = Rows.new(b, P, self.max_new, prompt_tokens)  # every per-row value: `merge` / `keep_rows`
-        self.tau_t = None  # the rows' taus on the device (`set_row_taus`); None: opts.threshold for every row
-        self.q_drafts = None  # verify + sampling: the distributions the pending drafts were drawn from
+                                   needed=P + max(limits.max_new, 0) + limits.step_room)
+        self.history = History(input_ids, self.clients.reads_history, limits, streamer)  # seq, the streamer
+        self.prompt = Prompt(model, input_ids, model_kwargs.get("attention_mask"),
+                             needed_positions=P + limits.max_new + limits.max_slots,
+                             max_positions=limits.buf_len + 2 * (self.shape.chunk + candidates) + 8)
+        reads_scores = bool(self.do_sample or self.clients.reads_history or self.clients.processors
+                            or self.outputs.scores or self.outputs.logits)
+        self.calls = ModelCalls(model, opts, self.shape, self.cache, generation_config, model_kwargs, reads_scores,
+                                self.mask_token_id, b, self.device)
+        self.shape.fixed_width = self.calls.fixed_width
+        self.rows = Rows.new(b, P, limits.max_new, self.prompt.tokens)  # every per-row value: `merge` / `keep_rows`
+        self.row_tensors = RowTensors()  # the per-row values on the device: taus, verify sampling's drafts' q
         self.copies_failed = False  # a stateful processor could not be copied (`exact.disposable_chain`)
-        self.records = [] if (self.output_scores or self.output_logits) else None
         self.tree_shape = None  # verify mode's draft tree (`tree.TreeDecoder`); None: no tree
-        self.compactions = 0
         # ragged rows leave masked columns in the cache, which every later forward pays for: compacted away
         # (full-attention caches, unlocked batches; a static cache in place, and also whenever a step would not
         # fit). A sliding window counts columns and a block cache's chunk spans rows: there every row accepts the
         # same count each step (the exact path already moves rows that way)
-        self.compactable = not self.clients.exact and not self.shape.block and not self.cache.sliding
-        self.lockstep = b > 1 and not self.clients.exact and (
+        self.shape.compactable = not self.clients.exact and not self.shape.block and not self.cache.sliding
+        self.shape.lockstep = b > 1 and not self.clients.exact and (
             self.cache.sliding or (self.cache.static and self.shape.block))
-        # opt-in per-step policies (policy.py: draft_tree='cost' in `tree.TreeDecoder`, threshold mode's plain_steps)
-        self.policy, self.plain_step, self.step_choice = threshold_policy(self), False, None
+        # opt-in per-step policies (policy.py: draft_tree='cost' in `tree.TreeDecoder`, threshold mode's plain_steps);
+        # each keeps its own choice for the current step
+        self.policy = threshold_policy(self)
 
-    def _prepare_prompt(self, input_ids, attn, max_slots):
-        """The token buffer (prompt | generated history, kept on the device only when processors or criteria
-        read it) and the prompt's positions: left padding makes each row's positions start at its first token.
-        Returns each row's real prompt tokens."""
-        b, P, dev = self.batch, self.prompt_len, self.device
-        self.prompt, self.seq = input_ids, None
-        if self.reads_history:
-            self.seq = torch.full((b, self.buf_len), self.pad, dtype=torch.long, device=dev)
-            self.seq[:, :P] = input_ids
-        prompt_tokens = [P] * b if attn is None else attn.long().sum(-1).tolist()
-        if attn is not None and min(prompt_tokens) == 0:
-            raise ValueError("MARS decoding needs at least one real (unpadded) prompt token in every row; a row of "
-                             "the attention_mask is all zeros.")
-        if attn is not None and min(prompt_tokens) == P:  # no padding: as if no mask was passed
-            attn = None
-        self.prompt_attn = attn
-        if attn is not None:  # (unpadded rows all count positions from 0: `chunk` slices them from `positions`)
-            self.prompt_real = to_device(prompt_tokens, dev)
-            self.prompt_pos = (attn.long().cumsum(-1) - 1).masked_fill(attn == 0, 0)
-        # a step's trailing drafts and masks may reach past the model's context (learned absolute positions,
-        # GPT-2 / OPT, then index past their table) although the answer fits: only tokens past max_new read
-        # those columns, so their positions are clamped to the last one (the emitted tokens are unchanged)
-        limit = config_value(text_config(self.model.config), "max_position_embeddings")
-        self.max_positions = limit if isinstance(limit, int) else None
-        self.last_position = limit - 1 if self.max_positions and P + self.max_new + max_slots > limit else None
-        self.positions = positions(self.buf_len + 2 * (self.shape.chunk + self.shape.candidates) + 8, dev)
-        return prompt_tokens
-
-    def _prepare_forward(self, generation_config, model_kwargs):
-        """The forward of decode steps: torch.compile as generate decides it for plain decoding (a compileable
-        static cache, an accelerator or compile_config._compile_all_devices, not disabled). The prefill runs
-        eagerly (``mars_compile_prefill``: compiled too, padded with masks to one of a few widths: `pad_prefill`). A
-        compiled step keeps one width (extra masks at the end change nothing before them under causal attention) so
-        that one graph serves every step: the widest [committed | drafts] run plus the K-1 masks; its guards are
-        evaluated in full once per input layout (`GuardedSteps`). Greedy with no logits processor (nothing between
-        the logits and the rules), the compiled step also reads its slots (`forward_read`)."""
-        model, opts, shape = self.model, self.opts, self.shape
-        self.model_forward = self.decode_forward = model.__call__
-        self.prefill_forward = self.read_forward = None
-        compile_config = getattr(generation_config, "compile_config", None)
-        wants = self.cache.static and not getattr(generation_config, "disable_compile", False) and (
-            self.device.type in ("cuda", "xpu", "neuron", "tpu") or compiles_on_any_device(compile_config))
-        if wants and getattr(self.cache.cache, "is_compileable", False) and (
-                getattr(getattr(model, "hf_quantizer", None), "is_compileable", True)):
-            compile_config = compile_config or default_compile_config(model)
-            self.decode_forward = GuardedSteps(compiled_decode_call(model, compile_config), opts.guard_every_step)
-            if opts.compile_prefill:
-                self.prefill_forward = compiled_prefill_call(model, compile_config)
-            if not shape.block and not (shape.one_token and not opts.verify):
-                shape.fixed_width = (1 + shape.max_drafts if opts.verify else shape.candidates) + shape.candidates - 1
-            if shape.fixed_width and takes_logits_to_keep(model) and not (
-                    self.do_sample or self.clients.reads_history or self.clients.processors
-                    or self.output_scores or self.output_logits):
-                self.read_forward = GuardedSteps(compiled_read_call(model, compile_config), opts.guard_every_step)
-                self.tau_all = torch.full((self.batch, 1), opts.threshold, dtype=torch.float32, device=self.device)
-        self.draft_vocab = None
-        if opts.draft_vocab is not None:  # (verify mode only: config.py refuses it elsewhere)
-            if self.decode_forward is not self.model_forward:
-                raise ValueError("mars_draft_vocab runs eager decode steps; this call compiles them (a static cache "
-                                 "with a compile config). Drop one of the two.")
-            self.draft_vocab = DraftVocabulary(model, opts.draft_vocab, self.mask_token_id)
-            self.model_forward = self.decode_forward = self.draft_vocab.wrap(model.__call__)
-        self.cache_key = cache_key(model_kwargs)
-        self.extra_forward_kwargs = {k: v for k, v in model_kwargs.items() if k not in LOOP_KWARGS}
-        self.supports_logits_to_keep = takes_logits_to_keep(model)
+    @property
+    def batch(self) -> int:
+        """Rows in the batch (they join and leave between steps: `merge`, `keep_rows`)."""
+        return len(self.rows)
 
     # ---------------------------------------------------------------- one step
     def step(self) -> bool:
@@ -191,16 +105,16 @@ class MARSDecoder:
         plan = proposer.plan(self)
         decision, record, kept = proposer.forward_and_accept(self, plan)
         accepted = [len(t) for t in decision.tokens]
-        if self.records is not None:
-            self.records.append(record(accepted))
+        if self.outputs.records is not None:
+            self.outputs.records.append(record(accepted))
         rows = self.rows
         finished = [plan.active[r] and (decision.stopped[r] or rows.emitted[r] + accepted[r] >= rows.limit[r])
                     for r in range(self.batch)]
         keep_cols = proposer.roll_back(self, plan, kept, accepted, finished)
         self._commit(plan, keep_cols, decision, finished)
-        if self.compactable and self.cache.attn is not None and self.cache.compact(
-                max(p + f for p, f in zip(rows.prompt_tokens, rows.fed)), room=self.step_room):
-            self.compactions += 1
+        if self.shape.compactable and self.cache.attn is not None and self.cache.compact(
+                max(p + f for p, f in zip(rows.prompt_tokens, rows.fed)), room=self.limits.step_room):
+            self.outputs.compactions += 1
         if self.clients.lagging is not None:
             self._check_lagging()
         if self.policy is not None and not plan.first:
@@ -210,21 +124,13 @@ class MARSDecoder:
     def chunk(self, plan):
         """Inputs: per row [uncached committed | drafts | masks], right-aligned in a (batch, width) chunk.
         Returns input_ids, position_ids and which columns are real (None when all are)."""
-        b, P, dev = self.batch, self.prompt_len, self.device
+        b, dev = self.batch, self.device
         if plan.first:  # prefill: [prompt | masks], the same number of masks in every row
-            masks = plan.masks[plan.rows[0]]
-            mask_block = device_constant(((self.mask_token_id,) * masks,) * b, dev)
-            input_ids = torch.cat((self.prompt, mask_block), 1)
-            if self.prompt_attn is None:  # no padding: positions 0.. in every row
-                position_ids = self.positions[:, :P + masks]
-                return input_ids, position_ids if b == 1 else position_ids.expand(b, -1), None
-            position_ids = torch.cat([self.prompt_pos, self.prompt_real[:, None] + self.positions[:, :masks]], dim=1)
-            col_real = torch.cat([self.prompt_attn.bool(), torch.ones(b, masks, dtype=torch.bool, device=dev)], dim=1)
-            return input_ids, position_ids, col_real
+            return self.prompt.prefill_chunk(plan.masks[plan.rows[0]], self.mask_token_id)
         if b == 1:  # no padding ever
             offset = self.rows.prompt_tokens[0] + self.rows.fed[0]
             col_real = None if self.cache.attn is None else torch.ones(1, plan.width, dtype=torch.bool, device=dev)
-            return plan.input_ids, self.positions[:, offset:offset + plan.width], col_real
+            return plan.input_ids, self.prompt.positions[:, offset:offset + plan.width], col_real
         # pads only matter in rows still decoding; with none there and none in the cache, no mask at all
         col_real = plan.real_t
         if self.cache.attn is None and all(plan.lens[r] == plan.width for r in plan.rows):
@@ -234,36 +140,26 @@ class MARSDecoder:
     def forward(self, plan, input_ids, position_ids, col_real, attention_mask=None):
         """The model forward over the chunk (the cache is updated in place); the logits from candidate 0 on.
         ``attention_mask``: a prepared 4D mask (a draft tree's); else the 2D one from the chunk's real columns."""
-        kwargs = self._model_inputs(col_real, attention_mask)
-        forward, kept, pad = self.model_forward if plan.first else self.decode_forward, plan.logits_kept, 0
+        calls, prompt = self.calls, self.prompt
+        kwargs = calls.inputs(self.cache, col_real, attention_mask, self.device)
+        forward, kept, pad = calls.eager if plan.first else calls.decode, plan.logits_kept, 0
         logits_to_keep = kept
-        if plan.first and self.prefill_forward is not None:
-            forward = self.prefill_forward
+        if plan.first and calls.prefill is not None:
+            forward = calls.prefill
             capacity = self.cache.static_len - self.cache.cache.get_seq_length()
             input_ids, position_ids, pad = pad_prefill(input_ids, position_ids, capacity, self.mask_token_id,
-                                                       self.max_positions)
+                                                       prompt.max_positions)
             width = input_ids.shape[1] - pad  # the kept columns as a tensor: one graph whatever the padding
-            logits_to_keep = self.positions[0, width - kept:width]
-        if self.supports_logits_to_keep:
+            logits_to_keep = prompt.positions[0, width - kept:width]
+        if calls.logits_to_keep:
             kwargs["logits_to_keep"] = logits_to_keep
-        if self.last_position is not None:
-            position_ids = position_ids.clamp(max=self.last_position)
-        out = forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
+        out = forward(input_ids=input_ids, position_ids=prompt.clamped(position_ids), **kwargs)
         if pad:  # the padding leaves no trace in the cache
             self.cache.cache.crop(-pad)
         self._count_forward()
         # the kept columns end where the chunk did (logits_to_keep returned only them; else the padding follows)
-        end = out.logits.shape[1] - (0 if self.supports_logits_to_keep else pad)
+        end = out.logits.shape[1] - (0 if calls.logits_to_keep else pad)
         return out.logits[:, end - kept:end]
-
-    def _model_inputs(self, col_real, attention_mask) -> dict:
-        """A forward's arguments besides input_ids and position_ids: the cache, the mask (``attention_mask``, a
-        prepared 4D one, else the 2D one from the chunk's real columns) and the caller's other model inputs."""
-        if attention_mask is None and col_real is not None:
-            attention_mask = self.cache.attention_mask(col_real, self.device)
-        kwargs = dict(self.extra_forward_kwargs, attention_mask=attention_mask, use_cache=True, return_dict=True)
-        kwargs[self.cache_key] = self.cache.cache
-        return kwargs
 
     def _count_forward(self):
         for r in range(self.batch):
@@ -272,15 +168,14 @@ class MARSDecoder:
     def forward_read(self, plan, input_ids, position_ids, col_real) -> SlotRead:
         """A compiled decode step that reads its own slots (`forward.compiled_read_call`): every slot's token and
         flag, over all ``max_slots`` slots (one graph), the columns each reads laid out by the plan."""
-        kwargs = self._model_inputs(col_real, None)
+        calls, tau = self.calls, self.row_tensors.tau
+        kwargs = calls.inputs(self.cache, col_real, None, self.device)
         kwargs["logits_to_keep"] = plan.logits_kept  # (the slots' columns count from the kept ones)
-        if self.last_position is not None:
-            position_ids = position_ids.clamp(max=self.last_position)
-        flat = self.read_forward(slot_cols=plan.slot_col_t, suppress=self.suppress_t, acceptance=self.opts.acceptance,
-                                 tau=self.tau_all if self.tau_t is None else self.tau_t, input_ids=input_ids,
-                                 position_ids=position_ids, **kwargs)
+        flat = calls.read(slot_cols=plan.slot_col_t, suppress=self.limits.suppress_t, acceptance=self.opts.acceptance,
+                          tau=calls.tau_all if tau is None else tau, input_ids=input_ids,
+                          position_ids=self.prompt.clamped(position_ids), **kwargs)
         self._count_forward()
-        return SlotRead(flat.tolist(), self.max_slots, True, False, None)
+        return SlotRead(flat.tolist(), self.limits.max_slots, True, False, None)
 
     def candidate_slots(self, plan, logits):
         """Slot s of row r reads the logits column before its drafts and masks, plus s. Returns the float32 slot
@@ -293,8 +188,8 @@ class MARSDecoder:
         else:  # (batches only: one row is always uniform)
             slot_logits = take_columns(logits, plan.slot_col_t)
         slot_logits = slot_logits.float()  # (a view of the forward's output where it already is float32)
-        raw_logits = slot_logits.clone() if self.output_logits else None  # output_logits: before any processing
-        return slot_logits.index_fill(-1, self.suppress_t, -math.inf), raw_logits  # (a new tensor: one op)
+        raw_logits = slot_logits.clone() if self.outputs.logits else None  # output_logits: before any processing
+        return slot_logits.index_fill(-1, self.limits.suppress_t, -math.inf), raw_logits  # (a new tensor: one op)
 
     # ---------------------------------------------------------------- deciding (processors, then the rules)
     def process(self, plan, slot_logits, chain, stop_at_ends=False):
@@ -318,18 +213,19 @@ class MARSDecoder:
             groups.setdefault(self.rows.emitted[r], []).append(r)
         group_rows = {g: to_device(rs, self.device) for g, rs in groups.items()}
         scores = torch.empty_like(slot_logits)
-        chosen = torch.full(slot_logits.shape[:2], self.pad, dtype=torch.long, device=self.device)
-        stop_at_ends = stop_at_ends and self.eos_t is not None
+        pad, eos_t, seq = self.limits.pad, self.limits.eos_t, self.history.seq
+        chosen = torch.full(slot_logits.shape[:2], pad, dtype=torch.long, device=self.device)
+        stop_at_ends = stop_at_ends and eos_t is not None
         ended = None if plan.active_t is None else ~plan.active_t  # rows whose history takes pads from here on
         if stop_at_ends and ended is None:
             ended = torch.zeros(self.batch, dtype=torch.bool, device=self.device)
         for s in range(S):
             if s > 0 and stop_at_ends and bool(ended.all()):  # the rest is never emitted: raw logits, pads
                 scores[:, s:] = slot_logits[:, s:]
-                self.seq.scatter_(1, plan.slot_pos_t[:, s:], self.pad)
+                seq.scatter_(1, plan.slot_pos_t[:, s:], pad)
                 break
             for g, rs in group_rows.items():
-                processed = chain(self.seq[:, :P + g + s], slot_logits[:, s].clone())
+                processed = chain(seq[:, :P + g + s], slot_logits[:, s].clone())
                 if len(group_rows) == 1:
                     scores[:, s] = processed
                 else:
@@ -338,15 +234,15 @@ class MARSDecoder:
             chosen[:, s] = tok
             ext = tok if plan.forced_mask_t is None else torch.where(plan.forced_mask_t[:, s], plan.forced_t[:, s], tok)
             if ended is not None:
-                ext = torch.where(ended, self.pad, ext)
-            self.seq.scatter_(1, plan.slot_pos_t[:, s:s + 1], ext[:, None])
+                ext = torch.where(ended, pad, ext)
+            seq.scatter_(1, plan.slot_pos_t[:, s:s + 1], ext[:, None])
             if stop_at_ends:
-                ended = ended | stops(ext, self.eos_t) | stops(tok, self.eos_t)
+                ended = ended | stops(ext, eos_t) | stops(tok, eos_t)
         return scores, chosen
 
     def confident(self, scores, chosen, of_distribution):
         """Whether each slot's confidence clears its row's tau."""
-        tau = self.opts.threshold if self.tau_t is None else self.tau_t
+        tau = self.opts.threshold if self.row_tensors.tau is None else self.row_tensors.tau
         return confident(self.opts.acceptance, chosen, tau, scores, of_distribution=of_distribution)
 
     def speculate_no_more(self) -> None:
@@ -359,35 +255,26 @@ class MARSDecoder:
         """A tau per row from the next step on (a row at 1.0 takes exactly the AR token: no masks are read)."""
         if taus != self.rows.tau:
             self.rows.tau = list(taus)
-            self.tau_t = torch.tensor(taus, dtype=torch.float32).view(-1, 1).to(self.device)
+            self.row_tensors.set_taus(taus, self.device)
 
     def merge(self, other: MARSDecoder) -> None:
         """Take another generation's rows into this batch, between steps (`engine.merge`): every per-row value
         lives in `Rows`, the cache rows in `RollbackCache`; verify sampling's draft distributions go along."""
         self.cache.append_rows(other.cache, self.device)
-        if self.q_drafts is not None or other.q_drafts is not None:
-            vocab = next(d.q_drafts.shape[-1] for d in (self, other) if d.q_drafts is not None)
-            self.q_drafts = torch.cat([d.q_drafts if d.q_drafts is not None else torch.zeros(
-                d.batch, self.shape.max_drafts, vocab, device=self.device) for d in (self, other)])
+        self.row_tensors.extend(other.row_tensors, (self.batch, other.batch), self.shape.max_drafts, self.device)
         taus = [self.opts.threshold if t is None else t for t in self.rows.tau]
         taus += [other.opts.threshold if t is None else t for t in other.rows.tau]
         self.rows.extend(other.rows)
         self.rows.tau = [None] * len(self.rows)  # (filled, and sent to the device, by set_row_taus below)
-        self.batch = len(self.rows)
-        if other.last_position is not None:
-            self.last_position = min(x for x in (self.last_position, other.last_position) if x is not None)
+        self.prompt.take_limit(other.prompt)
         self.set_row_taus(taus)
 
     def keep_rows(self, keep: list) -> None:
         """Only the rows ``keep`` go on (finished or cancelled ones leave the batch), their cache rows with them."""
         index = to_device(keep, self.device)
         self.cache.select_rows(index)
-        if self.q_drafts is not None:
-            self.q_drafts = self.q_drafts.index_select(0, index)
-        if self.tau_t is not None:
-            self.tau_t = self.tau_t.index_select(0, index)
+        self.row_tensors.select(index)
         self.rows.select(keep)
-        self.batch = len(self.rows)
 
     def read_slots(self, plan, slot_logits) -> SlotRead:
         """Process the candidates and bring each slot's token and flags to the host: the step's one sync."""
@@ -401,10 +288,11 @@ class MARSDecoder:
         if opts.verify and self.do_sample:
             probs = torch.softmax(scores, dim=-1)
             if sampled:
-                kept, resampled = speculative_sample(probs[:, :Dm], self.q_drafts[:, :Dm], plan.forced_t[:, :Dm])
+                kept, resampled = speculative_sample(probs[:, :Dm], self.row_tensors.q_drafts[:, :Dm],
+                                                     plan.forced_t[:, :Dm])
                 parts += [kept.view(-1), resampled.view(-1)]
             if plan.q_idx_t is not None:  # the distributions the next drafts are drawn from
-                self.q_drafts = take_columns(probs, plan.q_idx_t)
+                self.row_tensors.keep_draft_distributions(probs, plan.q_idx_t)
         return SlotRead(torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist(), S, flags, sampled, scores)
 
     def decide(self, plan, read: SlotRead) -> Decision:
@@ -435,7 +323,7 @@ class MARSDecoder:
             stopped[r] = cut_at_stop(tokens[r], self.clients.eos_ids)
         if len(self.clients.criteria) > 0:
             self._apply_criteria(plan, tokens, stopped, scores)
-        if self.lockstep:
+        if self.shape.lockstep:
             lockstep(plan.rows, tokens, drafts_next or [[] for _ in range(b)], stopped, plan.drafts)
         return Decision(tokens, stopped, drafts_next, scores)
 
@@ -443,7 +331,8 @@ class MARSDecoder:
         """Stopping criteria beyond EOS / length, called after each decided token on its AR history (rows grouped
         by history length; one sync); a run is cut after the first position a criterion stops."""
         P, b = self.prompt_len, self.batch
-        self._write_history(plan.rows, self.rows.emitted, tokens, [False] * b)
+        seq = self.history.seq
+        self.history.write(plan.rows, self.rows.emitted, tokens, [False] * b)
         longest = max((len(tokens[r]) for r in plan.rows), default=0)
         groups = {}
         for r in plan.rows:
@@ -451,7 +340,7 @@ class MARSDecoder:
         hits = []
         for i in range(1, longest + 1):
             for g in groups:
-                hit = self.clients.criteria(self.seq[:, :P + g + i], (scores[:, i - 1],) if self.output_scores else None)
+                hit = self.clients.criteria(seq[:, :P + g + i], (scores[:, i - 1],) if self.outputs.scores else None)
                 hits.append(torch.as_tensor(hit, device=self.device).expand(b))
         host = torch.stack(hits).view(longest, len(groups), b).tolist() if hits else []
         for j, (g, rs) in enumerate(groups.items()):
@@ -507,28 +396,12 @@ class MARSDecoder:
             rows.in_chunk[r] += a
             if finished[r]:
                 rows.unfinished[r] = False
-        if self.reads_history:
-            self._write_history(plan.rows, starts, decision.tokens, finished)
+        if self.history.kept:
+            self.history.write(plan.rows, starts, decision.tokens, finished)
         if self.shape.block:
             self._start_chunk_if_filled()
-        if self.streamer is not None and self.clients.lagging is None:  # (lagging criteria: streamed once checked)
-            self._stream(runs)
-
-    def _write_history(self, rows, starts, tokens, finished):
-        """Put the decided tokens into `seq` after each row's history (``starts``: its length before them), for
-        processors and criteria to read; a finished row's speculative slots after them become pads. One
-        host->device copy."""
-        P, S, idx = self.prompt_len, self.max_slots, ([], [], [])
-        for r in rows:
-            start = P + starts[r]
-            values = list(tokens[r]) + ([self.pad] * S if finished[r] else [])
-            values = values[:max(self.buf_len - start, 0)]
-            idx[0].extend([r] * len(values))
-            idx[1].extend(range(start, start + len(values)))
-            idx[2].extend(values)
-        if idx[2]:
-            r_t, c_t, v_t = to_device(idx[0] + idx[1] + idx[2], self.device).view(3, -1)
-            self.seq[r_t, c_t] = v_t
+        if self.history.streamer is not None and self.clients.lagging is None:  # (lagging: streamed once checked)
+            self.history.stream(rows.tokens, runs)
 
     def _start_chunk_if_filled(self):
         """Block cache: a new chunk starts once every row still decoding has filled the current one."""
@@ -549,56 +422,37 @@ class MARSDecoder:
             t = rows.checked + 1
             if t > (min(going) if going else max(rows.emitted)):
                 break
-            hit = torch.as_tensor(self.clients.lagging(self.seq[:, :P + t], None), device=self.device).expand(b)
+            hit = torch.as_tensor(self.clients.lagging(self.history.seq[:, :P + t], None), device=self.device).expand(b)
             for r, stops in enumerate(hit.tolist()):
                 if stops and rows.emitted[r] >= t:  # the row has a token at t: it ends there
                     if rows.emitted[r] > t:
-                        self.seq[r, P + t:self.buf_len] = self.pad
+                        self.history.cut(r, t)
                         rows.emitted[r] = t
                         del rows.tokens[r][t:]
                     rows.unfinished[r], rows.drafts[r] = False, []
             rows.checked = t
         if self.shape.block and not rows.chunk_start:  # a cut row no longer holds the others' chunk open
             self._start_chunk_if_filled()
-        if self.streamer is not None:
+        if self.history.streamer is not None:
             runs = [(rows.streamed[r], max(min(rows.emitted[r], rows.checked) - rows.streamed[r], 0))
                     for r in range(b)]
             rows.streamed = [start + a for start, a in runs]
-            self._stream(runs)
-
-    def _stream(self, runs):
-        """The tokens each row emitted this step, to the streamer (CPU tensors, as generate hands them)."""
-        new = [torch.tensor(self.rows.tokens[r][start:start + a], dtype=torch.long)
-               for r, (start, a) in enumerate(runs)]
-        if self.batch == 1:
-            if runs[0][1]:
-                self.streamer.put(new[0])
-            return
-        width = max(a for _, a in runs)
-        if width == 0:
-            return
-        if hasattr(self.streamer, "put_rows"):  # a batch-aware streamer gets each row's own new tokens (maybe none)
-            self.streamer.put_rows(new)
-            return
-        block = torch.full((self.batch, width), self.pad, dtype=torch.long)
-        for r, row in enumerate(new):
-            block[r, :row.shape[0]] = row
-        self.streamer.put(block)
+            self.history.stream(rows.tokens, runs)
 
     # ---------------------------------------------------------------- results
     def run(self, synced: bool = False):
         """Step until every row has finished. ``synced`` (parameters sharded across ranks): every rank forwards in
         lockstep until all ranks are done, a finished rank running a throwaway forward, as transformers does."""
         rows = self.rows
-        if self.max_new <= 0:
+        if self.limits.max_new <= 0:
             rows.unfinished = [False] * self.batch
             if not synced:
-                return self.prompt
+                return self.prompt.ids
         if torch.is_grad_enabled():  # (generate already runs under no_grad: entering it again costs ~10 us a call)
             with torch.no_grad():
                 return self.run(synced)
-        if self.draft_vocab is not None:
-            with self.draft_vocab.installed(self.model):
+        if self.calls.draft_vocab is not None:
+            with self.calls.draft_vocab.installed(self.model):
                 return self._loop(synced)
         return self._loop(synced)
 
@@ -612,39 +466,18 @@ class MARSDecoder:
                 if int(finished_ranks.item()) == torch.distributed.get_world_size():
                     break
                 if not any(rows.unfinished):
-                    self.model_forward(input_ids=self.prompt[:, :1], use_cache=False)  # keep the shards moving
+                    self.calls.eager(input_ids=self.prompt.ids[:, :1], use_cache=False)  # keep the shards moving
                     continue
             if not self.step() and not synced:
                 break
         T = max(rows.emitted)
         if not T:
-            return self.prompt
+            return self.prompt.ids
         # the prompt and the emitted tokens, pad-filled after each row's end
-        emitted = to_device([row + [self.pad] * (T - len(row)) for row in rows.tokens], self.device)
-        return torch.cat([self.prompt, emitted.view(self.batch, T)], dim=1)
+        pad = self.limits.pad
+        emitted = to_device([row + [pad] * (T - len(row)) for row in rows.tokens], self.device)
+        return torch.cat([self.prompt.ids, emitted.view(self.batch, T)], dim=1)
 
     def assemble(self, which):
         """One (b, V) tensor per emitted position, from the per-step records (0: scores, 1: logits)."""
-        if not self.records:
-            return None
-        T = max(self.rows.emitted)
-        if T == 0:
-            return ()
-        V, per_row = None, [[] for _ in range(self.batch)]
-        for rec in self.records:
-            tensor = rec[which]
-            if tensor is None:
-                return None
-            V = tensor.shape[-1]
-            for r, a in enumerate(rec[2]):
-                if a > 0:
-                    per_row[r].append(tensor[r, :a])
-        # positions after a row finished hold a distribution certain of the pad token (the token the sequence
-        # holds there), like plain generate's finite scores: transition scores are 0 there, never NaN
-        out = torch.full((self.batch, T, V), -math.inf, device=self.device)
-        out[:, :, self.pad] = 0.0
-        for r in range(self.batch):
-            if per_row[r]:
-                kept = torch.cat(per_row[r])[: self.rows.emitted[r]]
-                out[r, :kept.shape[0]] = kept
-        return tuple(out.unbind(1))
+        return self.outputs.assemble(which, self.rows.emitted, self.limits.pad, self.device)

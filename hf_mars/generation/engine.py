@@ -40,8 +40,8 @@ def joinable(dec) -> bool:
     """Whether a generation's rows can share a batch with other generations' rows: nothing reads the token history
     (the buffer is per call), nothing holds rows together (stateful clients, block chunks, sliding-window or
     static caches), no per-step records."""
-    return not (dec.reads_history or dec.clients.exact or dec.clients.lagging is not None or dec.shape.block
-                or dec.cache.sliding or dec.cache.static or dec.records is not None)
+    return not (dec.history.kept or dec.clients.exact or dec.clients.lagging is not None or dec.shape.block
+                or dec.cache.sliding or dec.cache.static or dec.outputs.records is not None)
 
 
 def _settings(dec):
@@ -49,7 +49,7 @@ def _settings(dec):
     chain = [(type(p), {k: v.tolist() if torch.is_tensor(v) else v for k, v in vars(p).items()})
              for p in dec.clients.processors]
     return (dataclasses.replace(dec.opts, threshold=0.0), dec.do_sample, chain, dec.clients.suppress,
-            dec.clients.eos_ids, dec.pad, dec.device, dataclasses.replace(dec.shape, one_token=False),
+            dec.clients.eos_ids, dec.limits.pad, dec.device, dataclasses.replace(dec.shape, one_token=False),
             getattr(dec, "tree_shape", None))
 
 

@@ -23,7 +23,6 @@ from .rules import (
     lockstep_count,
     proposed_drafts,
     stops,
-    take_columns,
     threshold_run,
     verify_slot,
 )
@@ -85,25 +84,25 @@ def decide_exact(dec, plan, slot_logits):
     all_drafts = False
     for s in range(limit):
         if clients.stateful_procs or scores is None:
-            real = clients.processors(dec.seq[:, :P + n + s], slot_logits[:, s].clone())
+            real = clients.processors(dec.history.seq[:, :P + n + s], slot_logits[:, s].clone())
         else:
             real = scores[:, s]
         agreed = None
         if verify:
             pending = s < d0  # slots 0..d0-1 hold the pending drafts
             tok, agreed = verify_slot(real, dec.do_sample, plan.forced_t[:, s] if pending else None,
-                                      dec.q_drafts[:, s] if pending and dec.do_sample else None)
+                                      dec.row_tensors.q_drafts[:, s] if pending and dec.do_sample else None)
         elif scores is not None and torch.equal(real[live], scores[live, s]):
             tok = chosen[:, s]
         else:  # the real call disagrees with its copy (or there is no copy): this token ends the step
             tok, limit = choose(real, dec.do_sample), s + 1
-        tok = torch.where(live, tok, dec.pad)
-        dec.seq[:, P + n + s] = tok
+        tok = torch.where(live, tok, dec.limits.pad)
+        dec.history.seq[:, P + n + s] = tok
         out[:, s] = real
         acc = torch.where(live, s + 1, acc)
-        hit = stops(tok, dec.eos_t)
+        hit = stops(tok, dec.limits.eos_t)
         if len(clients.criteria) > 0:
-            crit = clients.criteria(dec.seq[:, :P + n + s + 1], (real,) if dec.output_scores else None)
+            crit = clients.criteria(dec.history.seq[:, :P + n + s + 1], (real,) if dec.outputs.scores else None)
             hit = hit | torch.as_tensor(crit, device=dev).expand(b)
         hit &= live
         stop |= hit
@@ -120,14 +119,14 @@ def _to_host(dec, plan, acc, stop, live, chosen, scores, all_drafts, n):
     """The step's tokens, stops and (verify) next drafts as host lists: drafts only where every live row emitted
     all its drafts and the AR token, proposed from its masks, as many in every row (lockstep)."""
     b, P, S = dec.batch, dec.prompt_len, plan.max_slots
-    window = dec.seq[:, P + n:P + n + S]
+    window = dec.history.seq[:, P + n:P + n + S]
     parts = [acc, stop.long(), live.long(), window.reshape(-1)]
     propose = all_drafts and dec.shape.max_drafts > 0 and S > plan.drafts[plan.rows[0]] + 1
     if propose:
         parts += [chosen.reshape(-1), dec.confident(scores, chosen, of_distribution=True).reshape(-1)]
         if dec.do_sample and plan.q_idx_t is not None:
             probs = torch.softmax(scores, dim=-1)
-            dec.q_drafts = take_columns(probs, plan.q_idx_t)
+            dec.row_tensors.keep_draft_distributions(probs, plan.q_idx_t)
     host = torch.cat(parts).tolist()
     acc_h, stop_h, live_h, win = host[:b], host[b:2 * b], host[2 * b:3 * b], host[3 * b:3 * b + b * S]
     tokens = [win[r * S:r * S + acc_h[r]] if plan.active[r] else [] for r in range(b)]

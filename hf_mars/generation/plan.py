@@ -71,7 +71,7 @@ class StepPlan:
     max_slots: int = 0
     logits_kept: int = 0  # logits kept from the end of the chunk: from candidate 0 (before drafts and masks) on
     uniform: bool = False  # every active row has the same drafts and masks: its slots are a plain slice
-    read_slots: int = 0  # compiled steps that read their slots in the graph: all of dec.max_slots, every step
+    read_slots: int = 0  # compiled steps that read their slots in the graph: all of dec.limits.max_slots, every step
     width: int = 0  # columns of the chunk
     input_ids: torch.Tensor | None = None  # the chunk (decode steps)
     pos_t: torch.Tensor | None = None  # batches: position ids of the chunk
@@ -95,7 +95,7 @@ def plan_step(dec) -> StepPlan:
     # a row at tau >= 1 reads candidate 0 only; masks are fed unless every row is such a row (the masks must
     # occupy the same last columns in every row, so that one crop drops them all)
     single = [shape.one_token or (t is not None and one_token(t)) for t in rows.tau]
-    if dec.plain_step:  # threshold mode's opt-in plain 1-token step (`policy.ThresholdPolicy`)
+    if dec.policy is not None and dec.policy.plain_step:  # threshold mode's opt-in plain 1-token step (`policy.ThresholdPolicy`)
         single = [True] * b
     no_masks = not block and not verify and all(single[r] for r in range(b) if unfinished[r])
     active, uncached, drafts, masks, slots = [False] * b, [0] * b, [0] * b, [0] * b, [0] * b
@@ -132,7 +132,7 @@ def plan_step(dec) -> StepPlan:
         lens=lens, max_slots=max(slots), width=max(lens),
         logits_kept=fixed_width if fixed_width and not first else max(masks[r] + drafts[r] + 1 for r in active_rows),
         uniform=len({(masks[r], drafts[r]) for r in active_rows}) == 1,
-        read_slots=dec.max_slots if dec.read_forward is not None and not first else 0)
+        read_slots=dec.limits.max_slots if dec.calls.read is not None and not first else 0)
     lay_out(dec, plan)
     return plan
 
@@ -154,7 +154,7 @@ def lay_out(dec, plan) -> None:
         src, pos, real = [], [], []
         for r in range(b):
             n, u, d, f, left = plan.lens[r], plan.uncached[r], plan.drafts[r], rows.fed[r], W - plan.lens[r]
-            src += [dec.pad] * left + rows.tokens[r][f:f + u] + rows.drafts[r][:d]
+            src += [dec.limits.pad] * left + rows.tokens[r][f:f + u] + rows.drafts[r][:d]
             src += [dec.mask_token_id] * (n - u - d)
             p0 = rows.prompt_tokens[r] + f
             pos += [0] * left + list(range(p0, p0 + n))
@@ -169,12 +169,12 @@ def lay_out(dec, plan) -> None:
             c0 = kept - (plan.masks[r] + plan.drafts[r] + 1) if plan.active[r] else 0
             cols += [min(c0 + s, kept - 1) for s in range(plan.read_slots or S)]
         add("slot_col_t", cols)
-    if dec.reads_history:
+    if dec.history.kept:
         add("slot_pos_t", [P + rows.emitted[r] + s for r in range(b) for s in range(S)])
         if not all(plan.active):
             add("active_t", plan.active)
-    if (dec.reads_history or dec.do_sample) and opts.verify and max(plan.drafts) > 0:
-        add("forced_t", [rows.drafts[r][s] if s < plan.drafts[r] else dec.pad for r in range(b) for s in range(S)])
+    if (dec.history.kept or dec.do_sample) and opts.verify and max(plan.drafts) > 0:
+        add("forced_t", [rows.drafts[r][s] if s < plan.drafts[r] else dec.limits.pad for r in range(b) for s in range(S)])
         add("forced_mask_t", [int(s < plan.drafts[r]) for r in range(b) for s in range(S)])
     M = dec.shape.max_drafts
     if opts.verify and dec.do_sample and M > 0 and S > max(plan.drafts) + 1:

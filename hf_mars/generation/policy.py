@@ -118,8 +118,11 @@ class DraftPolicy:
     """The per-decoder state of the layout choice (calibration, drafting rate, exploration) over a shared
     `cost.StepCosts`. ``layouts``: the drafting layouts it may choose (`menu`)."""
 
+    plain_step = False  # (a chain step - the prefill - is never made plain: plain rows are in the tree's layouts)
+
     def __init__(self, costs, layouts, history: dict | None = None):
         self.costs, self.layouts = costs, list(layouts)
+        self.step_choice = None  # the current decode step's `Choice` (`tree.TreeDecoder.plan_tree` reads it)
         # running means (the prior first, then EMA) of drafts predicted / accepted per drafting row-step
         self.predicted = self.accepted = PRIOR_ACCEPTED
         self.tokens = None  # ... of tokens per row of a drafting step (1 + accepted)
@@ -225,13 +228,13 @@ class DraftPolicy:
     def choose_step(self, dec) -> None:
         """Before a tree decode step: the layouts of ``dec``'s rows (`tree.TreeDecoder.plan_tree` reads them)."""
         uncached, candidates = dec.row_candidates()
-        dec.step_choice = self.choose(dec.batch, uncached, candidates)
+        self.step_choice = self.choose(dec.batch, uncached, candidates)
 
     def observe_step(self, dec, plan, seconds: float, accepted: list) -> None:
         """After it: its time, and the drafts each active row accepted (the tokens it emitted but the AR one)."""
-        if dec.step_choice is not None:
-            self.observe(dec.step_choice, dec.batch, plan.width, seconds, [max(accepted[r] - 1, 0) for r in plan.rows])
-        dec.step_choice = None
+        if self.step_choice is not None:
+            self.observe(self.step_choice, dec.batch, plan.width, seconds, [max(accepted[r] - 1, 0) for r in plan.rows])
+        self.step_choice = None
 
     # ------------------------------------------------------------ after the step
     def observe(self, choice: Choice, rows: int, width: int, seconds: float, accepted_drafts: list) -> None:
@@ -262,6 +265,7 @@ class ThresholdPolicy:
         self.tokens = 1.0 + PRIOR_ACCEPTED  # per row of a wide step
         self.wide_steps = self.plain_run = 0
         self.history = {} if history is None else history
+        self.plain_step = False  # the current decode step is plain (`plan.plan_step` reads it)
 
     def plain(self, rows: int, wide_width: int, plain_width: int) -> bool:
         plain_cost = self.costs.estimate(rows, plain_width)
@@ -277,13 +281,13 @@ class ThresholdPolicy:
         return take
 
     def choose_step(self, dec) -> None:
-        """Before a decode step: whether ``dec``'s step is plain (`plan.plan_step` reads ``dec.plain_step``)."""
+        """Before a decode step: whether ``dec``'s step is plain (`plan.plan_step` reads ``plain_step``)."""
         rows = dec.rows
         uncached = max((rows.emitted[r] - rows.fed[r] for r in range(dec.batch) if rows.unfinished[r]), default=0)
-        dec.plain_step = self.plain(dec.batch, uncached + dec.shape.candidates - 1, uncached)
+        self.plain_step = self.plain(dec.batch, uncached + dec.shape.candidates - 1, uncached)
 
     def observe_step(self, dec, plan, seconds: float, accepted: list) -> None:
-        self.observe(dec.plain_step, dec.batch, plan.width, seconds, [accepted[r] for r in plan.rows])
+        self.observe(self.plain_step, dec.batch, plan.width, seconds, [accepted[r] for r in plan.rows])
 
     def observe(self, plain: bool, rows: int, width: int, seconds: float, tokens: list) -> None:
         self.costs.record(rows, width, seconds)
@@ -301,7 +305,7 @@ def threshold_policy(dec):
     """Threshold mode's plain-step policy where the call asked for it (``plain_steps``) and it can apply: eager
     steps of a sliding cache whose rows move independently (None elsewhere)."""
     if not dec.opts.plain_steps or dec.opts.verify or dec.shape.one_token or dec.shape.block or dec.clients.exact \
-            or dec.lockstep or dec.shape.fixed_width:
+            or dec.shape.lockstep or dec.shape.fixed_width:
         return None
     from .cost import costs_for
 

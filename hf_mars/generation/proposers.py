@@ -59,7 +59,7 @@ class Candidates:
                 plan, dec.read_slots(plan, slot_logits))
 
         def record(accepted):
-            return decision.scores if dec.output_scores else None, raw_logits, accepted
+            return decision.scores if dec.outputs.scores else None, raw_logits, accepted
 
         return decision, record, col_real
 

@@ -13,7 +13,7 @@ import torch
 
 @dataclasses.dataclass(slots=True)
 class Shape:
-    """The geometry of every step: how many candidates, drafts and chunk columns."""
+    """The geometry of every step: how many candidates, drafts and chunk columns, and how the rows move."""
 
     candidates: int  # candidate slots per step: the AR token + the masks read (B, or B + 1 with the last mask)
     max_drafts: int  # verify mode: drafts a step may propose
@@ -21,6 +21,10 @@ class Shape:
     block: bool  # block-level cache (chunks of `chunk` positions over a frozen prefix)
     chunk: int
     fixed_width: int | None = None  # compiled steps: the one chunk width every step is padded to
+    # how the rows move together: every row accepts the same count each step (sliding-window caches, a static
+    # block cache), or ragged rows' masked-out cache columns are compacted away
+    lockstep: bool = False
+    compactable: bool = False
 
 
 @dataclasses.dataclass

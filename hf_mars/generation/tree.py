@@ -196,7 +196,8 @@ class TreeDecoder(MARSDecoder):
         plan = TreePlan(active=list(rows.unfinished), trees=[Tree([], [], []) for _ in range(b)],
                         uncached=[0] * b, groups=[0] * b, lens=[0] * b)
         uncached, candidates = self.row_candidates()
-        layouts = None if self.step_choice is None else self.step_choice.layouts
+        choice = None if self.policy is None else self.policy.step_choice
+        layouts = None if choice is None else choice.layouts
         for r in range(b):
             if not rows.unfinished[r]:
                 continue
@@ -223,7 +224,7 @@ class TreeDecoder(MARSDecoder):
             tree, u, g, n = plan.trees[r], plan.uncached[r], plan.groups[r], plan.lens[r]
             left = W - n
             committed = rows.tokens[r][rows.fed[r]:rows.fed[r] + u]
-            ids += [self.pad] * left + committed + tree.tokens + [self.mask_token_id] * (n - u - len(tree.tokens))
+            ids += [self.limits.pad] * left + committed + tree.tokens + [self.mask_token_id] * (n - u - len(tree.tokens))
             root = rows.prompt_tokens[r] + rows.fed[r] + u - 1  # the root's position
             group_depths = [tree.depths[m] if m >= 0 else 0 for m in tree.grouped] if g else []
             pos += [0] * left + list(range(root - u + 1, root + 1)) + [root + d for d in tree.depths]
@@ -235,8 +236,7 @@ class TreeDecoder(MARSDecoder):
         sizes = [b * W, b * W, b * W * W] + ([] if uniform else [b * S])
         parts = to_device(ids + pos + allowed + ([] if uniform else cols), self.device).split(sizes)
         plan.input_ids, plan.pos_t = parts[0].view(b, W), parts[1].view(b, W)
-        if self.last_position is not None:
-            plan.pos_t = plan.pos_t.clamp(max=self.last_position)
+        plan.pos_t = self.prompt.clamped(plan.pos_t)
         plan.allowed_t = parts[2].view(b, W, W).bool()
         plan.slot_col_t = None if uniform else parts[3].view(b, S)
 
@@ -253,8 +253,8 @@ class TreeDecoder(MARSDecoder):
 
     def suppressed(self, slot_logits):
         slot_logits = slot_logits.to(dtype=torch.float32, copy=True)
-        self._raw = slot_logits.clone() if self.output_logits else None
-        return slot_logits.index_fill_(-1, self.suppress_t, float("-inf"))
+        self.outputs.keep_raw(slot_logits)
+        return slot_logits.index_fill_(-1, self.limits.suppress_t, float("-inf"))
 
     # ---------------------------------------------------------------- deciding
     def decide_tree(self, plan, slot_logits, trees, groups):
@@ -266,7 +266,7 @@ class TreeDecoder(MARSDecoder):
         scores, chosen = self.process(plan, slot_logits, self.clients.processors)
         k = max(self.propose_shape)
         probs = torch.softmax(scores, dim=-1)
-        tau = self.opts.threshold if self.tau_t is None else self.tau_t
+        tau = self.opts.threshold if self.row_tensors.tau is None else self.row_tensors.tau
         sure = confident(self.opts.acceptance, chosen, tau, probs=probs, of_distribution=True)
         top = probs.topk(k, dim=-1)
         parts = [chosen.view(-1), sure.view(-1), top.indices.view(-1),
@@ -308,8 +308,9 @@ class TreeDecoder(MARSDecoder):
         return take_columns(tensor, index.view(self.batch, width))
 
     def path_records(self, scores, emit_slots, accepted):
-        return (self._in_path_order(scores, emit_slots) if self.output_scores else None,
-                self._in_path_order(self._raw, emit_slots) if self.output_logits else None, accepted)
+        outputs = self.outputs
+        return (self._in_path_order(scores, emit_slots) if outputs.scores else None,
+                self._in_path_order(outputs.raw, emit_slots) if outputs.logits else None, accepted)
 
     # ---------------------------------------------------------------- the cache
     def keep_paths(self, plan, paths) -> int:

@@ -1,0 +1,59 @@
+"""What a generation collects for its output object besides the sequences: the scores and logits of every
+emitted position (``output_scores`` / ``output_logits``) and the decoder's own statistics.
+
+A step emits several positions per row, a different number in each row: its records are kept per step and laid
+out per position only once, at the end (`assemble`), the way plain generate returns them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class Outputs:
+    """Which outputs the call asked for, each step's record of them, and the statistics."""
+
+    def __init__(self, generation_config):
+        wants_dict = bool(generation_config.return_dict_in_generate)
+        self.scores = wants_dict and bool(generation_config.output_scores)
+        self.logits = wants_dict and bool(generation_config.output_logits)
+        self.records = [] if (self.scores or self.logits) else None  # per step: (scores, logits, accepted per row)
+        self.raw = None  # a draft tree's step: the slots' logits before processing (for output_logits)
+        self.compactions = 0  # times the cache's masked-out columns were compacted away
+
+    def record(self, entry) -> None:
+        if self.records is not None:
+            self.records.append(entry)
+
+    def keep_raw(self, slot_logits) -> None:
+        """A draft tree's slot logits before any processing, for output_logits."""
+        self.raw = slot_logits.clone() if self.logits else None
+
+    def assemble(self, which, emitted, pad, device):
+        """One (b, V) tensor per emitted position, from the per-step records (0: scores, 1: logits); ``emitted``:
+        each row's emitted tokens, ``pad``: the token a finished row's sequence holds."""
+        if not self.records:
+            return None
+        T, batch = max(emitted), len(emitted)
+        if T == 0:
+            return ()
+        V, per_row = None, [[] for _ in range(batch)]
+        for rec in self.records:
+            tensor = rec[which]
+            if tensor is None:
+                return None
+            V = tensor.shape[-1]
+            for r, a in enumerate(rec[2]):
+                if a > 0:
+                    per_row[r].append(tensor[r, :a])
+        # positions after a row finished hold a distribution certain of the pad token (the token the sequence
+        # holds there), like plain generate's finite scores: transition scores are 0 there, never NaN
+        out = torch.full((batch, T, V), -math.inf, device=device)
+        out[:, :, pad] = 0.0
+        for r in range(batch):
+            if per_row[r]:
+                kept = torch.cat(per_row[r])[: emitted[r]]
+                out[r, :kept.shape[0]] = kept
+        return tuple(out.unbind(1))
