@@ -137,10 +137,10 @@ class ForwardRecorder:
             self.handles.append(mod.register_forward_hook(self._post(which), with_kwargs=True))
         if hasattr(self.model, "get_compiled_call"):
             self.model.get_compiled_call = self._get_compiled_call  # instance attribute: removed on exit
-        from hf_mars.generation import decoder as mars_decoder  # MARS's compiled decode steps: counted alike
+        from hf_mars.generation import model_calls as mars_calls  # MARS's compiled decode steps: counted alike
 
-        self._original_decode_call = mars_decoder.compiled_decode_call
-        mars_decoder.compiled_decode_call = self._compiled_decode_call
+        self._original_decode_call = mars_calls.compiled_decode_call
+        mars_calls.compiled_decode_call = self._compiled_decode_call
         return self
 
     def __exit__(self, *exc):
@@ -148,9 +148,9 @@ class ForwardRecorder:
             h.remove()
         self.handles = []
         self.model.__dict__.pop("get_compiled_call", None)
-        from hf_mars.generation import decoder as mars_decoder
+        from hf_mars.generation import model_calls as mars_calls
 
-        mars_decoder.compiled_decode_call = self._original_decode_call
+        mars_calls.compiled_decode_call = self._original_decode_call
         self._wrapped = {}
 
     @property
