@@ -11,6 +11,8 @@
 Names load lazily, so that reading a report (`hf_mars.model_card`) does not import the benchmark.
 """
 
+from hf_mars._moved import lazy_exports
+
 _EXPORTS = {
     "benchmark_generation": "measure",
     "resolve_block_size": "measure",
@@ -41,15 +43,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name):
-    if name in _EXPORTS:
-        import importlib
-
-        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -6,6 +6,8 @@ Names load lazily, so that ``import hf_mars.training.tokens`` (what the generati
 does not import TRL.
 """
 
+from hf_mars._moved import lazy_exports
+
 _EXPORTS = {
     "add_mask_token": "tokens",
     "get_mars_metadata": "tokens",
@@ -20,15 +22,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name):
-    if name in _EXPORTS:
-        import importlib
-
-        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
