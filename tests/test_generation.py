@@ -114,6 +114,32 @@ def test_tau1_equals_greedy_left_padded(peaky, B, cache):
     assert torch.equal(out.mars_forward_passes, out.mars_emitted_tokens)
 
 
+def test_call_statistics_are_a_debug_log_record_and_the_old_file_variable_warns(peaky, caplog, monkeypatch,
+                                                                                 tmp_path):
+    """The per-call statistics a server cannot read from the output object: one DEBUG record on a fixed logger,
+    equal to the output's fields; nothing at the default level; HF_MARS_STATS (no longer read) warns."""
+    import json
+    import logging
+
+    from hf_mars.generation import api
+
+    model, tok = peaky
+    enc = _batch(tok)
+    out = _greedy(model, enc, mars_verify=True, return_dict_in_generate=True)
+    assert not [r for r in caplog.records if r.name == "hf_mars.generation.stats"]  # silent by default
+    with caplog.at_level(logging.DEBUG, logger="hf_mars.generation.stats"):
+        _greedy(model, enc, mars_verify=True)
+    (record,) = [r for r in caplog.records if r.name == "hf_mars.generation.stats"]
+    stats = json.loads(record.getMessage().removeprefix("MARS call: "))
+    assert stats["forward_passes"] == out.mars_forward_passes.tolist()
+    assert stats["emitted_tokens"] == out.mars_emitted_tokens.tolist() and stats["verify"] is True
+    monkeypatch.setenv("HF_MARS_STATS", str(tmp_path / "stats.jsonl"))
+    api._stats_file_removed.cache_clear()
+    with pytest.warns(FutureWarning, match="hf_mars.generation.stats"):
+        _greedy(model, enc, mars_verify=True)
+    assert not (tmp_path / "stats.jsonl").exists()
+
+
 def test_tau1_sliding_feeds_no_masks(peaky):
     """One-token mode reads only candidate 0, so its decode steps are plain 1-token AR steps (no mask columns)."""
     model, tok = peaky

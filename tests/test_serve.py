@@ -1,8 +1,9 @@
 """MARS through `transformers serve`: a real server process on loopback, the official `openai` client.
 
 The request's `generation_config` (a JSON string in the body, as transformers serve reads it) switches MARS on
-with `"mars": true`; without it the checkpoint answers as the AR model. `HF_MARS_STATS` makes the checkpoint's
-custom_generate append each MARS call's statistics to a file, so the test sees the forwards the server ran.
+with `"mars": true`; without it the checkpoint answers as the AR model. The server process is `transformers serve`
+with the `hf_mars.generation.stats` logger sent to a file at DEBUG (one record per MARS call, written by the
+checkpoint's custom_generate), so the test sees the forwards the server ran.
 """
 
 import json
@@ -10,7 +11,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from servers import free_port, stop_server
@@ -18,6 +18,20 @@ from servers import free_port, stop_server
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+
+
+# `transformers serve`, with MARS's per-call statistics logger (see hf_mars.generation.api) written to argv[1]
+_SERVE_WITH_STATS = """
+import logging, sys
+from transformers.cli.transformers import main
+handler = logging.FileHandler(sys.argv.pop(1), encoding="utf-8")
+handler.setFormatter(logging.Formatter("%(message)s"))
+stats = logging.getLogger("hf_mars.generation.stats")
+stats.addHandler(handler)
+stats.setLevel(logging.DEBUG)
+sys.argv[0] = "transformers"
+sys.exit(main())
+"""
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +49,10 @@ def server(tmp_path_factory):
     ckpt = save_for_hub(model, tok, tmp / "ckpt")
     port = free_port()
     stats = tmp / "stats.jsonl"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp / "modules"), HF_MARS_STATS=str(stats),
-               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cli = Path(sys.executable).with_name("transformers")
-    cmd = [str(cli), "serve", str(ckpt), "--trust-remote-code", "--host", "127.0.0.1", "--port", str(port)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp / "modules"), OMP_NUM_THREADS="1",
+               TOKENIZERS_PARALLELISM="false")
+    args = ["serve", str(ckpt), "--trust-remote-code", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-c", _SERVE_WITH_STATS, str(stats), *args]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
     deadline = time.time() + 90
@@ -65,7 +79,8 @@ def _ask(client, model, gen=None, stream=False):
 
 
 def _stats(path):
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line.removeprefix("MARS call: ")) for line in lines if line.startswith("MARS call: ")]
 
 
 @pytest.mark.timeout(300)

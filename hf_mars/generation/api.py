@@ -17,7 +17,9 @@ import dataclasses
 import functools
 import inspect
 import json
+import logging
 import os
+import warnings
 
 import torch
 from transformers import GenerationMixin
@@ -29,6 +31,18 @@ from .config import MARS_ARGUMENTS, MARSGenerationConfig, config_value, mask_tok
 from .decoder import MARSDecoder
 from .model_calls import LOOP_KWARGS, cache_key
 from .tree import TreeDecoder
+
+#: One DEBUG record per MARS call (emitted tokens and forwards per row, tau, verify) on a fixed name, whether this
+#: package runs installed or as a checkpoint's custom_generate/: what a server that never sees the output object
+#: (``transformers serve``, lm-evaluation-harness) can still report. Off unless the logger is set to DEBUG.
+STATS_LOGGER = logging.getLogger("hf_mars.generation.stats")
+
+
+@functools.lru_cache(maxsize=None)
+def _stats_file_removed() -> None:
+    warnings.warn("HF_MARS_STATS is no longer read: MARS's per-call statistics are DEBUG records on the "
+                  "'hf_mars.generation.stats' logger (and mars_forward_passes / mars_emitted_tokens on the output "
+                  "object).", FutureWarning, stacklevel=3)
 
 
 @dataclasses.dataclass
@@ -136,11 +150,12 @@ def mars_generate(model, input_ids, logits_processor=None, stopping_criteria=Non
     sequences = decoder.run(synced=synced)
     if streamer is not None:
         streamer.end()
-    stats_path = os.environ.get("HF_MARS_STATS")
-    if stats_path:  # per-call statistics for a serving stack that cannot read the output object
-        with open(stats_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"emitted_tokens": decoder.rows.emitted, "forward_passes": decoder.rows.forwards,
-                                "threshold": opts.threshold, "verify": opts.verify}) + "\n")
+    if "HF_MARS_STATS" in os.environ:
+        _stats_file_removed()
+    if STATS_LOGGER.isEnabledFor(logging.DEBUG):  # for a serving stack that cannot read the output object
+        STATS_LOGGER.debug("MARS call: %s", json.dumps(
+            {"emitted_tokens": decoder.rows.emitted, "forward_passes": decoder.rows.forwards,
+             "threshold": opts.threshold, "verify": opts.verify}))
     if not generation_config.return_dict_in_generate:
         return sequences
     # the cache is returned only when it has no masked-out columns (it can then be reused as is)
