@@ -254,6 +254,21 @@ def test_cost_rows_report_the_layouts_chosen(make_model):
     assert "'cost' chose per step:" in bench.format_table(result)
 
 
+def test_plain_steps_rows(make_model):
+    """`--plain-steps`: each tau < 1 on the sliding cache is timed again with mars_plain_steps=True (tau = 1 and the
+    block cache are not); the row records the per-step choices (plain / masks) and the table prints them."""
+    model, tok = make_model(seed=1, hidden_size=32)
+    result = bench.benchmark_generation(model, tok, thresholds=[1.0, 0.5], batch_sizes=[2], caches=["sliding", "block"],
+                                        verify_thresholds=[], max_new_tokens=12, num_prompts=4, repeats=1,
+                                        warmup=1, cost_repeats=1, progress=False, peers=(), plain_steps=True)
+    mars = [r for r in result["rows"] if r["mode"] == "mars"]
+    policy = [r for r in mars if r.get("plain_steps")]
+    assert [(r["threshold"], r["cache"]) for r in policy] == [(0.5, "sliding")] and len(mars) == 5
+    assert policy[0]["policy_layouts"] and set(policy[0]["policy_layouts"]) <= {"plain", "masks"}
+    assert sum(policy[0]["policy_layouts"].values()) > 0
+    assert "plain_steps chose per step:" in bench.format_table(result)
+
+
 def test_compiled_rows_leave_the_hook_columns_blank(make_model, monkeypatch):
     """A row whose calls pass a compile_config gets no limit / eff / lim(w) / ideal / ovh / model ms / step/c1:
     those are read from the eager forward's hooks, which miss a compiled graph's forwards. (A compile_config on a

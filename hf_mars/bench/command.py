@@ -43,6 +43,10 @@ def add_arguments(parser):
                         help="Threshold mode's acceptance rules (mars_acceptance), each timed at every tau and cache: "
                              "a candidate is kept while its probability, exp(-entropy) or top-1 minus top-2 "
                              "margin is >= tau (default: probability, generate's own).")
+    parser.add_argument("--plain-steps", action="store_true",
+                        help="Also time threshold mode at each tau < 1 (sliding cache) with mars_plain_steps=True: "
+                             "a step drops its masks while the measured cost of the wide step does not pay (the "
+                             "layouts chosen are reported).")
     parser.add_argument("--verify-thresholds", type=float, nargs="*", default=[DEFAULT_VERIFY_THRESHOLD],
                         help="tau values for lossless verify mode (none: skip verify).")
     parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS),
@@ -103,7 +107,7 @@ def run(args):
         cache_block=args.cache_block, num_prompts=args.num_prompts, repeats=args.repeats, warmup=args.warmup,
         num_threads=args.threads, cost_repeats=args.cost_repeats, chat_template=False if args.no_chat_template else None, progress=not args.quiet,
         peers=tuple(args.peers), draft_trees=tuple(args.draft_trees), short_answers=args.short_answers,
-        acceptances=tuple(args.acceptance),
+        acceptances=tuple(args.acceptance), plain_steps=args.plain_steps,
     )
     result["settings"]["model_path"] = str(args.model)
     result["settings"]["prompts_path"] = args.prompts

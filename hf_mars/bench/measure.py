@@ -114,7 +114,8 @@ def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 
                          caches=("sliding", "block"), verify_thresholds=(DEFAULT_VERIFY_THRESHOLD,), max_new_tokens=64, block_size=None,
                          cache_block=DEFAULT_CACHE_BLOCK, num_prompts=16, repeats=3, warmup=1, num_threads=None, cost_repeats=30,
                          chat_template=None, progress=True, log=None, peers=("prompt_lookup",),
-                         draft_trees=("auto",), short_answers=False, acceptances=(DEFAULT_ACCEPTANCE,)) -> dict:
+                         draft_trees=("auto",), short_answers=False, acceptances=(DEFAULT_ACCEPTANCE,),
+                         plain_steps=False) -> dict:
     """Benchmark MARS decoding against plain greedy `generate` (KV cache) on one model, in one process.
 
     ``model`` must have `enable_mars` applied (done here when it is not). Returns a JSON-able dict with
@@ -123,7 +124,8 @@ def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 
     tok/fwd (per row, the paper's measure), tokens per forward call (batch), speed-up over AR, the
     limit and the efficiency described in the module docstring, the zero-overhead ``ideal`` speed-up,
     the loop's own overhead per step, and the share of rows whose output equals AR's. ``acceptances``: threshold
-    mode's acceptance rules, each timed (the default rule's rows have ``acceptance`` None). ``short_answers``: also
+    mode's acceptance rules, each timed (the default rule's rows have ``acceptance`` None); ``plain_steps``: threshold
+    mode at each tau < 1 also with mars_plain_steps=True (rows with ``plain_steps`` True). ``short_answers``: also
     time each call at batch 1 against MARS without a KV cache (`hf_mars.demo.short_answers`), under
     ``"short_answers"``.
     """
@@ -137,7 +139,7 @@ def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 
     if not records:
         raise ValueError("The prompt set is empty.")
     specs = build_specs(thresholds, caches, verify_thresholds, block_size, cache_block, peers=peers,
-                        draft_trees=draft_trees, acceptances=acceptances)
+                        draft_trees=draft_trees, acceptances=acceptances, plain_steps=plain_steps)
     bench = _Bench(model, tokenizer, records, encode_prompts(tokenizer, [r["prompt"] for r in records], chat_template),
                    specs, resolve_block_size(model, block_size), max_new_tokens, cache_block, tuple(caches),
                    num_prompts, repeats, warmup, cost_repeats)
@@ -256,8 +258,10 @@ class _Bench:
         return per_spec
 
     def _generate_once(self, batch, spec, recorder):
-        """One generate call; with mars_draft_tree='cost' also the layouts its policy chose (`policy.choices_for`)."""
-        chosen = choices_for(self.model, batch[0].shape[0]) if spec.tree == "cost" else None
+        """One generate call; with a per-step policy (mars_draft_tree='cost', mars_plain_steps) also the layouts it
+        chose (`policy.choices_for`)."""
+        loop = "tree" if spec.tree == "cost" else "chunk" if spec.plain_steps else None
+        chosen = choices_for(self.model, batch[0].shape[0], loop) if loop else None
         before = dict(chosen or {})
         run = _generate_once(self.model, batch, spec, self.max_new_tokens, self.eos_ids, recorder, self.device)
         if chosen is not None:
@@ -287,9 +291,10 @@ class _Bench:
             decode_widths = [w for run in reps[0] for w in run["widths"][1:]]
             row["_predicted_s"] = sum(table[w] for w in decode_widths)
             row["draft_tree"] = spec.tree
-            if spec.tree == "cost":  # the layouts the policy chose per step, over the timed calls
+            if spec.tree == "cost" or spec.plain_steps:  # the layouts the policy chose per step, over the timed calls
                 row["policy_layouts"] = _layout_counts(run for runs in reps for run in runs)
             row["acceptance"] = spec.acceptance
+            row["plain_steps"] = spec.plain_steps or None
             # what a decode step of this configuration costs, in plain decode steps (a tree is wider)
             row["step_cost_vs_1"] = row["_predicted_s"] / len(decode_widths) / table[1] if decode_widths else None
             toks = [t for run in reps[0] for t in run["new_tokens"]]  # row g of the run is records[g % len]

@@ -12,6 +12,7 @@ COLUMNS = [
     ("cache", "cache", "{}"),
     ("rule", "acceptance", "{}"),
     ("tree", "draft_tree", "{}"),
+    ("plain", "plain_steps", "{}"),
     ("tok/fwd", "tokens_per_forward", "{:.2f}"),
     ("tok/s", "tokens_per_s", "{:.1f}"),
     ("speedup", "speedup_vs_ar", "{:.2f}x"),
@@ -59,14 +60,17 @@ def format_table(result: dict) -> str:
         if row.get("policy_layouts"):
             total = sum(row["policy_layouts"].values())
             shares = ", ".join(f"{name} {n / total:.0%}" for name, n in row["policy_layouts"].items())
-            out.append(f"  batch {row['batch_size']}: verify tau={row['threshold']:g} 'cost' chose per step: {shares}")
+            what = "plain_steps" if row.get("plain_steps") else "'cost'"
+            out.append(f"  batch {row['batch_size']}: {row['mode']} tau={row['threshold']:g} {what} chose per step: "
+                       f"{shares}")
     out.append("speedup: median over repeats of the total time; (best): from each generate call's fastest repeat; "
                f"tok/s and times are medians over {result['settings']['repeats']} interleaved repeats")
     out.append("limit = (tokens per forward call, MARS/AR) x cost(1)/cost(1+B); eff = speedup/limit; "
                "lim(w) = the same with the cost of the widths actually forwarded; "
                "ideal = speed-up with zero loop overhead (in-loop model time only); ovh = loop time outside forwards "
                "(- for compiled steps: their forwards are not timed one by one)")
-    out.append("rule = threshold mode's mars_acceptance when not the default (probability)")
+    out.append("rule = threshold mode's mars_acceptance when not the default (probability); plain = threshold mode "
+               "with mars_plain_steps=True (a step drops its masks while the wide step's measured cost does not pay)")
     out.append("tree = verify mode's mars_draft_tree (auto: one draft per depth with masks after every node; chain: "
                "masks after the last draft only; cost: each step's layout chosen by measured cost, the shares above); "
                "step/c1 = a decode step's measured cost over a 1-token step's, at "
