@@ -125,10 +125,10 @@ def test_call_statistics_are_a_debug_log_record_and_the_old_file_variable_warns(
 
     model, tok = peaky
     enc = _batch(tok)
-    out = _greedy(model, enc, mars_verify=True, return_dict_in_generate=True)
+    out = _greedy(model, enc, mars_verify=True, mars_draft_tree="chain", return_dict_in_generate=True)
     assert not [r for r in caplog.records if r.name == "hf_mars.generation.stats"]  # silent by default
     with caplog.at_level(logging.DEBUG, logger="hf_mars.generation.stats"):
-        _greedy(model, enc, mars_verify=True)
+        _greedy(model, enc, mars_verify=True, mars_draft_tree="chain")
     (record,) = [r for r in caplog.records if r.name == "hf_mars.generation.stats"]
     stats = json.loads(record.getMessage().removeprefix("MARS call: "))
     assert stats["forward_passes"] == out.mars_forward_passes.tolist()
@@ -136,7 +136,7 @@ def test_call_statistics_are_a_debug_log_record_and_the_old_file_variable_warns(
     monkeypatch.setenv("HF_MARS_STATS", str(tmp_path / "stats.jsonl"))
     api._stats_file_removed.cache_clear()
     with pytest.warns(FutureWarning, match="hf_mars.generation.stats"):
-        _greedy(model, enc, mars_verify=True)
+        _greedy(model, enc, mars_verify=True, mars_draft_tree="chain")
     assert not (tmp_path / "stats.jsonl").exists()
 
 

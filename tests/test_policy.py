@@ -103,7 +103,7 @@ class _Costs(cost.StepCosts):
 
 def _policy(costs, depth=4):
     policy = DraftPolicy(costs, menu(depth, 0.03))
-    policy.drafting_timed = policy_module.EXPLORE_AFTER
+    policy.rec.drafting_timed = policy_module.EXPLORE_AFTER
     return policy
 
 
@@ -122,13 +122,13 @@ def test_costly_width_shortens_the_drafts_and_weak_drafts_fall_back_to_plain():
     assert not choice.plain and choice.width < 1 + nodes + 4 * groups
     assert Layout((1, 1, 1, 1), 4, 0.03) not in choice.layouts
     weak = [_cands([.05], [.05], [.05], [.05])] * 16
-    policy.accepted, policy.predicted, policy.tokens, policy.width = 0.05, 0.05, 1.05, 9.0
+    policy.rec.accepted, policy.rec.predicted, policy.rec.tokens, policy.rec.width = 0.05, 0.05, 1.05, 9.0
     assert policy.choose(16, [1] * 16, weak).plain
 
 
 def test_plain_regime_probes_drafting_again():
     policy = _policy(_Costs(0.001, 0.001))
-    policy.accepted, policy.predicted, policy.tokens, policy.width = 0.0, 0.5, 1.0, 9.0  # drafting never paid
+    policy.rec.accepted, policy.rec.predicted, policy.rec.tokens, policy.rec.width = 0.0, 0.5, 1.0, 9.0  # drafting never paid
     rows = 4
     plain = [policy.choose(rows, [1] * rows, [[]] * rows).plain for _ in range(policy_module.PROBE_EVERY + 1)]
     assert all(plain[:-1]) and not plain[-1]
@@ -154,7 +154,7 @@ def test_observe_calibrates_the_masks_probabilities():
     for _ in range(200):
         policy.observe(choice, 2, 7, 0.01, [0, 1])  # 0.5 accepted
     assert policy.calibration == pytest.approx(1 / 3, rel=1e-3)
-    assert policy.future == pytest.approx(0.5, rel=1e-3) and policy.tokens == pytest.approx(1.5, rel=1e-3)
+    assert policy.future == pytest.approx(0.5, rel=1e-3) and policy.rec.tokens == pytest.approx(1.5, rel=1e-3)
     fresh = DraftPolicy(cost.StepCosts(), menu(2, 0.03))
     fresh.observe(choice, 2, 7, 0.01, [0, 0])  # one bad step moves the prior by 1 / (PRIOR_STEPS + 1) only
     assert fresh.future == pytest.approx(1.0 - 1.0 / (policy_module.PRIOR_STEPS + 1))
@@ -217,9 +217,9 @@ def test_the_policys_own_choices_stay_greedy(peaky, monkeypatch, plain_pays):
     made = []
     original = DraftPolicy.__init__
 
-    def init(self, costs, layouts, history=None):
+    def init(self, costs, layouts, history=None, record=None):
         original(self, _Costs(0.001, 0.01) if plain_pays else _Costs(0.010, 0.0), layouts)
-        self.drafting_timed = policy_module.EXPLORE_AFTER
+        self.rec.drafting_timed = policy_module.EXPLORE_AFTER
         made.append(self)
 
     monkeypatch.setattr(DraftPolicy, "__init__", init)
@@ -343,12 +343,12 @@ def test_threshold_steps_go_plain_only_while_the_masks_do_not_pay():
     costs = _Costs(0.002, 0.0005)  # a 5-wide step costs 1.8x a 1-wide one
     policy = policy_module.ThresholdPolicy(costs)
     assert not policy.plain(1, 5, 1)  # the prior: 2 tokens for 1.8x the time
-    policy.tokens = 1.2  # a record of 1.2 tokens per wide step: plain pays
+    policy.rec.tokens = 1.2  # a record of 1.2 tokens per wide step: plain pays
     assert policy.plain(1, 5, 1)
-    policy.tokens = 3.5  # the masks pay
+    policy.rec.tokens = 3.5  # the masks pay
     assert not policy.plain(1, 5, 1)
     cheap = policy_module.ThresholdPolicy(_Costs(0.010, 0.0))  # width is free: the masks always pay
-    cheap.tokens = 1.01
+    cheap.rec.tokens = 1.01
     assert not cheap.plain(16, 5, 1)
 
 

@@ -30,6 +30,7 @@ mode's opt-in counterpart (``plain_steps``).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 EMA = 0.2  # the drafting steps' width, averaged
 # drafts accepted and predicted, averaged over ~1/RECORD steps; before the drafts have a record one accepted draft
@@ -105,6 +106,27 @@ def tree_value(candidates, layout) -> tuple:
 
 
 @dataclasses.dataclass
+class DraftRecord:
+    """What verify's drafts did (running means: the prior first, then EMA), and the policy's exploration."""
+
+    predicted: float = PRIOR_ACCEPTED  # drafts predicted per drafting row-step
+    accepted: float = PRIOR_ACCEPTED  # ... accepted
+    tokens: float | None = None  # tokens per row of a drafting step (1 + accepted)
+    width: float | None = None  # a drafting step's width
+    plain_run: int = 0  # plain steps in a row
+    drafting_timed: int = 0  # drafting steps seen (the warm-up counts them)
+
+
+@dataclasses.dataclass
+class ThresholdRecord:
+    """What threshold mode's wide steps emitted (a running mean from verify's prior), and the plain stretch."""
+
+    tokens: float = 1.0 + PRIOR_ACCEPTED  # per row of a wide step
+    wide_steps: int = 0
+    plain_run: int = 0
+
+
+@dataclasses.dataclass
 class Choice:
     """A step's layouts: one per row (None for inactive rows), and what the policy expected of it."""
 
@@ -115,33 +137,30 @@ class Choice:
 
 
 class DraftPolicy:
-    """The per-decoder state of the layout choice (calibration, drafting rate, exploration) over a shared
-    `cost.StepCosts`. ``layouts``: the drafting layouts it may choose (`menu`)."""
+    """A decoder's layout choice over two records it shares with every call on the same model, device, dtype and
+    batch size in the process: the step costs (`cost.StepCosts`) and what the drafts did (`DraftRecord`). Shared,
+    because a short call has fewer steps than the warm-up: a per-call record would never leave it.
+    ``layouts``: the drafting layouts it may choose (`menu`)."""
 
     plain_step = False  # (a chain step - the prefill - is never made plain: plain rows are in the tree's layouts)
 
-    def __init__(self, costs, layouts, history: dict | None = None):
+    def __init__(self, costs, layouts, history: dict | None = None, record: DraftRecord | None = None):
         self.costs, self.layouts = costs, list(layouts)
         self.step_choice = None  # the current decode step's `Choice` (`tree.TreeDecoder.plan_tree` reads it)
-        # running means (the prior first, then EMA) of drafts predicted / accepted per drafting row-step
-        self.predicted = self.accepted = PRIOR_ACCEPTED
-        self.tokens = None  # ... of tokens per row of a drafting step (1 + accepted)
-        self.width = None  # ... of a drafting step's width
-        self.plain_run = 0  # plain steps in a row
-        self.drafting_timed = 0
+        self.rec = DraftRecord() if record is None else record
         self.history = {} if history is None else history  # layout label -> steps it was chosen (`choices_for`)
 
     # ------------------------------------------------------------ arithmetic
     @property
     def calibration(self) -> float:
-        if not self.predicted:
+        if not self.rec.predicted:
             return 1.0
-        return min(max(self.accepted / self.predicted, CAL_BOUNDS[0]), CAL_BOUNDS[1])
+        return min(max(self.rec.accepted / self.rec.predicted, CAL_BOUNDS[0]), CAL_BOUNDS[1])
 
     @property
     def future(self) -> float:
         """Drafts a row is expected to have accepted in a step that starts with drafts."""
-        return self.accepted
+        return self.rec.accepted
 
     def rate(self, rows, width, tokens) -> float | None:
         cost = self.costs.estimate(rows, width)
@@ -149,9 +168,9 @@ class DraftPolicy:
 
     def drafting_rate(self, rows, n_active) -> float | None:
         """The drafting regime's measured rate (tokens per second of a drafting step), None before it is known."""
-        if self.tokens is None or self.width is None:
+        if self.rec.tokens is None or self.rec.width is None:
             return None
-        return self.rate(rows, round(self.width), self.tokens * n_active)
+        return self.rate(rows, round(self.rec.width), self.rec.tokens * n_active)
 
     # ------------------------------------------------------------ the choice
     def choose(self, rows: int, uncached: list, candidates: list) -> Choice:
@@ -172,7 +191,7 @@ class DraftPolicy:
                 opts.append((width, immediate + future * grouped_end, immediate, expected, layout))
             options[r] = opts
         has_drafts = any(candidates[r] for r in active)
-        if self.drafting_timed < EXPLORE_AFTER:  # the warm-up
+        if self.rec.drafting_timed < EXPLORE_AFTER:  # the warm-up
             return self._default(options)
         if plain_rate is None:
             return self._plain(uncached, plain_width)  # a plain step not timed yet at this row count: once
@@ -184,7 +203,7 @@ class DraftPolicy:
         now = self.rate(rows, width, immediate)
         drafting_pays = (regime is None or regime >= plain_rate
                          or (has_drafts and now is not None and now >= plain_rate))
-        if not drafting_pays and self.plain_run < PROBE_EVERY:
+        if not drafting_pays and self.rec.plain_run < PROBE_EVERY:
             return self._plain(uncached, plain_width)
         return self._finish(picks, width)
 
@@ -212,12 +231,12 @@ class DraftPolicy:
         return self._finish(picks, max(p[0] for p in picks.values()))
 
     def _plain(self, uncached, width) -> Choice:
-        self.plain_run += 1
+        self.rec.plain_run += 1
         self.history["plain"] = self.history.get("plain", 0) + 1
         return Choice([PLAIN if u is not None else None for u in uncached], width, 0.0, True)
 
     def _finish(self, picks, width) -> Choice:
-        self.plain_run = 0
+        self.rec.plain_run = 0
         layouts = [None] * (max(picks) + 1 if picks else 0)
         for r, pick in picks.items():
             layouts[r] = pick[4]
@@ -243,14 +262,14 @@ class DraftPolicy:
         self.costs.record(rows, width, seconds)
         if choice.plain or not accepted_drafts:
             return
-        self.drafting_timed += 1
+        self.rec.drafting_timed += 1
         n = len(accepted_drafts)
         got = sum(accepted_drafts) / n
-        weight = max(RECORD, 1.0 / (PRIOR_STEPS + self.drafting_timed))
-        self.predicted += weight * (choice.expected / n - self.predicted)
-        self.accepted += weight * (got - self.accepted)
-        self.tokens = 1.0 + self.accepted
-        self.width = _ema(self.width, float(width))
+        weight = max(RECORD, 1.0 / (PRIOR_STEPS + self.rec.drafting_timed))
+        self.rec.predicted += weight * (choice.expected / n - self.rec.predicted)
+        self.rec.accepted += weight * (got - self.rec.accepted)
+        self.rec.tokens = 1.0 + self.rec.accepted
+        self.rec.width = _ema(self.rec.width, float(width))
 
 
 class ThresholdPolicy:
@@ -260,22 +279,21 @@ class ThresholdPolicy:
     measured cost) is below a plain step's; the first plain step is taken once to time it, and a plain stretch
     tries a wide step every PROBE_EVERY steps (its tokens are how the record learns the masks pay again)."""
 
-    def __init__(self, costs, history: dict | None = None):
+    def __init__(self, costs, history: dict | None = None, record: ThresholdRecord | None = None):
         self.costs = costs
-        self.tokens = 1.0 + PRIOR_ACCEPTED  # per row of a wide step
-        self.wide_steps = self.plain_run = 0
+        self.rec = ThresholdRecord() if record is None else record  # shared like DraftPolicy's
         self.history = {} if history is None else history
         self.plain_step = False  # the current decode step is plain (`plan.plan_step` reads it)
 
     def plain(self, rows: int, wide_width: int, plain_width: int) -> bool:
         plain_cost = self.costs.estimate(rows, plain_width)
         if plain_cost is None:
-            take = self.wide_steps >= EXPLORE_AFTER
+            take = self.rec.wide_steps >= EXPLORE_AFTER
         else:
             wide_cost = self.costs.estimate(rows, wide_width)
-            take = (wide_cost is not None and self.tokens / wide_cost < 1.0 / plain_cost
-                    and self.plain_run < PROBE_EVERY)
-        self.plain_run = self.plain_run + 1 if take else 0
+            take = (wide_cost is not None and self.rec.tokens / wide_cost < 1.0 / plain_cost
+                    and self.rec.plain_run < PROBE_EVERY)
+        self.rec.plain_run = self.rec.plain_run + 1 if take else 0
         label = "plain" if take else "masks"
         self.history[label] = self.history.get(label, 0) + 1
         return take
@@ -293,9 +311,9 @@ class ThresholdPolicy:
         self.costs.record(rows, width, seconds)
         if plain or not tokens:
             return
-        self.wide_steps += 1
-        weight = max(RECORD, 1.0 / (PRIOR_STEPS + self.wide_steps))
-        self.tokens += weight * (sum(tokens) / len(tokens) - self.tokens)
+        self.rec.wide_steps += 1
+        weight = max(RECORD, 1.0 / (PRIOR_STEPS + self.rec.wide_steps))
+        self.rec.tokens += weight * (sum(tokens) / len(tokens) - self.rec.tokens)
 
 
 _CHOICES: dict = {}
@@ -309,7 +327,8 @@ def threshold_policy(dec):
         return None
     from .cost import costs_for
 
-    return ThresholdPolicy(costs_for(dec.model, "chunk"), choices_for(dec.model, dec.batch, "chunk"))
+    return ThresholdPolicy(costs_for(dec.model, "chunk"), choices_for(dec.model, dec.batch, "chunk"),
+                           record_for(dec.model, dec.batch, "chunk"))
 
 
 def choices_for(model, rows: int, loop: str = "tree") -> dict:
@@ -318,6 +337,67 @@ def choices_for(model, rows: int, loop: str = "tree") -> dict:
     from .cost import model_key
 
     return _CHOICES.setdefault((model_key(model), int(rows), loop), {})
+
+
+# ---------------------------------------------------------------- 'auto': the tree or the chain, by measured calls
+WARM_CALLS = 2  # calls of each layout before the faster one is kept (tree first, then alternating)
+PROBE_CALLS = 32  # calls with the faster layout before the other is tried again (the load may have changed)
+# a high quantile of each layout's tokens per second: a faster call moves it by FALL of the gap, a slower one by
+# RISE (the least disturbed calls say what a layout gives, as cost.StepCosts keeps the fastest steps)
+RATE_FALL, RATE_RISE = 0.5, 0.1
+
+
+@dataclasses.dataclass
+class CallRecord:
+    """Verify's default ('auto') per model / device / dtype and batch size: whole calls' tokens per second with the
+    draft tree and with the draft chain. Why whole calls: what decides between them is everything a step costs -
+    the wider forward, the tree's attention mask and gathered cache on the host - and the tokens it gains; at
+    batch 1 the tree wins, at larger batches on a CPU the chain (docs/generation.md), and where the balance turns
+    depends on the model and the machine."""
+
+    rate: dict = dataclasses.field(default_factory=dict)  # "tree" / "chain" -> tokens per second
+    calls: dict = dataclasses.field(default_factory=dict)
+    since_probe: int = 0
+
+    def choose(self) -> str:
+        """The layout of the next call: each layout WARM_CALLS times (tree first), then the faster one, and the
+        other once every PROBE_CALLS calls."""
+        if min(self.calls.get(layout, 0) for layout in ("tree", "chain")) < WARM_CALLS:
+            return min(("tree", "chain"), key=lambda layout: self.calls.get(layout, 0))
+        best = max(("tree", "chain"), key=lambda layout: self.rate[layout])
+        if self.since_probe >= PROBE_CALLS:
+            return "chain" if best == "tree" else "tree"
+        return best
+
+    def observe(self, layout: str, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        new, old = tokens / seconds, self.rate.get(layout)
+        self.rate[layout] = new if old is None else old + (RATE_FALL if new > old else RATE_RISE) * (new - old)
+        self.calls[layout] = self.calls.get(layout, 0) + 1
+        warm = min(self.calls.get(name, 0) for name in ("tree", "chain")) >= WARM_CALLS
+        best = max(self.rate, key=self.rate.get) if warm else None
+        self.since_probe = 0 if (warm and layout != best) else self.since_probe + 1
+
+
+_RECORDS: dict = {}
+
+
+def record_for(model, rows: int, loop: str = "tree"):
+    """The process's `DraftRecord` (loop "tree"), `ThresholdRecord` ("chunk") or 'auto''s `CallRecord` ("call")
+    for this model / device / dtype and batch size: the policies of successive calls share it, as they share the
+    step costs."""
+    from .cost import model_key
+
+    key = (model_key(model), int(rows), loop)
+    if key not in _RECORDS:
+        _RECORDS[key] = {"tree": DraftRecord, "chunk": ThresholdRecord, "call": CallRecord}[loop]()
+        if key[0][0].startswith("<"):  # an unnamed model's record goes with it (its address may be reused)
+            try:
+                weakref.finalize(model, _RECORDS.pop, key, None)
+            except TypeError:
+                pass
+    return _RECORDS[key]
 
 
 def _deepest_grouped(layouts):

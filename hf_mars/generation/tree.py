@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import torch
 from transformers.utils import logging as _hf_logging
@@ -28,7 +29,7 @@ from .clients import history_free
 from .decoder import MARSDecoder
 from .cost import costs_for
 from .plan import to_device
-from .policy import DraftPolicy, choices_for, menu, propose_shape
+from .policy import DraftPolicy, choices_for, menu, propose_shape, record_for
 from .rules import Decision, accepted_path, confident, cut_at_stop, draft_count, draft_room, one_token, take_columns
 
 _logger = _hf_logging.get_logger(__name__)
@@ -161,13 +162,33 @@ class TreeDecoder(MARSDecoder):
             self.propose_shape = self.tree_shape  # top-k kept per depth for the next step's candidates
             if self.opts.draft_tree == "cost":  # each decode step's layout per row, by measured cost
                 layouts = menu(self.shape.max_drafts, GROUP_MIN_SHARE)
-                self.policy = DraftPolicy(costs_for(self.model), layouts, choices_for(self.model, self.batch))
+                self.policy = DraftPolicy(costs_for(self.model), layouts, choices_for(self.model, self.batch),
+                                          record_for(self.model, self.batch))
                 self.propose_shape = propose_shape(layouts)
         elif asked and not self.do_sample:
             raise ValueError(f"mars_draft_tree={self.opts.draft_tree!r} cannot be used with {reason}. Leave "
                              "mars_draft_tree unset (the chain is used where a tree cannot be) or pass 'chain'.")
         elif asked:
             _logger.warning_once(f"mars_draft_tree: decoding with the draft chain instead of a tree: {reason}.")
+
+    def run(self, synced: bool = False):
+        """`MARSDecoder.run`; with the default 'auto', the tree or the chain, whichever this process measured
+        faster for this model at this batch size (`policy.CallRecord`); the call's own time goes to the record.
+        (`MARSEngine` steps its decoders without `run`: a served batch keeps the tree.)"""
+        record = None
+        if self.tree_shape is not None and self.opts.draft_tree == "auto" and not synced:
+            record = record_for(self.model, self.batch, "call")
+            layout = record.choose()
+            history = choices_for(self.model, self.batch, "call")
+            history[layout] = history.get(layout, 0) + 1
+            if layout == "chain":
+                self.tree_shape = None  # (as where a tree is refused: the chain decodes)
+        started = time.perf_counter()
+        sequences = super().run(synced)
+        if record is not None:
+            record.observe("chain" if self.tree_shape is None else "tree", sum(self.rows.emitted),
+                           time.perf_counter() - started)
+        return sequences
 
     # ---------------------------------------------------------------- the chunk
     @staticmethod
