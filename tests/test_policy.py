@@ -369,3 +369,50 @@ def test_threshold_plain_steps_emit_the_ar_token(peaky, monkeypatch):
             argmax = model(seq[None]).logits[0].argmax(-1)
         start = P + from_prefill
         assert torch.equal(seq[start:start + decode_steps], argmax[start - 1:start - 1 + decode_steps])
+
+
+# ------------------------------------------------------------------------------------------ 'auto': tree or chain
+
+
+def test_auto_tries_both_layouts_then_keeps_the_faster_and_probes_the_other():
+    record = policy_module.CallRecord()
+    warm = policy_module.WARM_CALLS
+    seen = []
+    for _ in range(2 * warm):  # the tree first, then both until each has its warm-up calls
+        layout = record.choose()
+        seen.append(layout)
+        # the tree: 3 tokens per forward at 3 ms a step; the chain: 2.7 at 2 ms (faster)
+        record.observe(layout, 30 if layout == "tree" else 27, 10, 10, 0.030 if layout == "tree" else 0.020)
+    assert seen[0] == "tree" and seen.count("tree") == seen.count("chain") == warm
+    assert record.best() == "chain"
+    kept = []
+    while record.since_probe < policy_module.PROBE_CALLS:  # the chain is kept ...
+        kept.append(record.choose())
+        record.observe("chain", 27, 10, 10, 0.020)
+    assert set(kept) == {"chain"} and record.choose() == "tree"  # ... until the tree is tried again
+    record.observe("tree", 30, 10, 10, 0.030)
+    assert record.since_probe == 0 and record.choose() == "chain"
+    # once the tree gets faster (another load), the record follows
+    for _ in range(20):
+        record.observe("tree", 30, 10, 10, 0.010)
+    assert record.best() == "tree"
+
+
+def test_default_verify_follows_the_record_and_stays_greedy(peaky, monkeypatch):
+    """Where the record says the chain is faster, a default verify call decodes with the chain (the same forwards
+    as an explicit 'chain'); where it says the tree, with the tree; the output is plain greedy's either way."""
+    model, tok = peaky
+    enc = tok(["hello world", "a"], return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=16, do_sample=False, return_dict_in_generate=True)
+    greedy = model.generate(**enc, **kw).sequences
+    forwards = {}
+    for layout in ("tree", "chain"):
+        monkeypatch.setattr(policy_module.CallRecord, "choose", lambda self, layout=layout: layout)
+        out = model.generate(**enc, mars_verify=True, **kw)
+        assert torch.equal(out.sequences, greedy)
+        forwards[layout] = out.mars_forward_passes.tolist()
+    chain = model.generate(**enc, mars_verify=True, mars_draft_tree="chain", **kw)
+    assert forwards["chain"] == chain.mars_forward_passes.tolist()
+    record = policy_module.record_for(model, 2, "call")
+    assert record.calls == {"tree": 1, "chain": 1}  # both calls were timed into the record
+    assert policy_module.choices_for(model, 2, "call") == {"tree": 1, "chain": 1}

@@ -340,44 +340,59 @@ def choices_for(model, rows: int, loop: str = "tree") -> dict:
 
 
 # ---------------------------------------------------------------- 'auto': the tree or the chain, by measured calls
-WARM_CALLS = 2  # calls of each layout before the faster one is kept (tree first, then alternating)
-PROBE_CALLS = 32  # calls with the faster layout before the other is tried again (the load may have changed)
-# a high quantile of each layout's tokens per second: a faster call moves it by FALL of the gap, a slower one by
-# RISE (the least disturbed calls say what a layout gives, as cost.StepCosts keeps the fastest steps)
-RATE_FALL, RATE_RISE = 0.5, 0.1
+WARM_CALLS = 4  # calls of each layout before the faster one is kept (the tree first, then in a shuffled order)
+PROBE_CALLS = 16  # calls with the faster layout before the other is tried again (the load may have changed)
+STEP_EMA = 0.3  # weight of a call in the running mean of a step's time
 
 
 @dataclasses.dataclass
 class CallRecord:
-    """Verify's default ('auto') per model / device / dtype and batch size: whole calls' tokens per second with the
-    draft tree and with the draft chain. Why whole calls: what decides between them is everything a step costs -
-    the wider forward, the tree's attention mask and gathered cache on the host - and the tokens it gains; at
-    batch 1 the tree wins, at larger batches on a CPU the chain (docs/generation.md), and where the balance turns
-    depends on the model and the machine."""
+    """Verify's default ('auto') per model / device / dtype and batch size: for the draft tree and the draft chain,
+    the tokens a row gains per forward (every call of that layout summed: they move with the prompts far more
+    than the two layouts differ, so only many calls tell them apart) and a step's time (a running mean: it
+    depends on the width, the layout's host work and the load, not much on the prompts); a layout's rate is their
+    ratio. At batch 1 on a CPU the tree wins, at larger batches the chain (docs/generation.md); where the balance
+    turns depends on the model and the machine, so it is measured."""
 
-    rate: dict = dataclasses.field(default_factory=dict)  # "tree" / "chain" -> tokens per second
+    tokens: dict = dataclasses.field(default_factory=dict)  # "tree" / "chain" -> tokens emitted, all calls
+    row_forwards: dict = dataclasses.field(default_factory=dict)  # ... forwards the rows took part in
+    step_seconds: dict = dataclasses.field(default_factory=dict)
     calls: dict = dataclasses.field(default_factory=dict)
     since_probe: int = 0
 
-    def choose(self) -> str:
-        """The layout of the next call: each layout WARM_CALLS times (tree first), then the faster one, and the
-        other once every PROBE_CALLS calls."""
+    def rate(self, layout: str) -> float:
+        return self.tokens[layout] / self.row_forwards[layout] / self.step_seconds[layout]
+
+    def best(self) -> str | None:
         if min(self.calls.get(layout, 0) for layout in ("tree", "chain")) < WARM_CALLS:
-            return min(("tree", "chain"), key=lambda layout: self.calls.get(layout, 0))
-        best = max(("tree", "chain"), key=lambda layout: self.rate[layout])
+            return None
+        return max(("tree", "chain"), key=self.rate)
+
+    def choose(self) -> str:
+        """The layout of the next call: each layout WARM_CALLS times (the tree first, then in an order that does
+        not repeat with a cycle of prompts), then the faster one, and the other once every PROBE_CALLS calls."""
+        best = self.best()
+        if best is None:
+            done = sum(self.calls.values())
+            tree, chain = self.calls.get("tree", 0), self.calls.get("chain", 0)
+            if tree >= WARM_CALLS or chain >= WARM_CALLS:
+                return "chain" if tree >= WARM_CALLS else "tree"
+            return "tree" if done == 0 or (done * 2654435761) % 7 < 4 else "chain"
         if self.since_probe >= PROBE_CALLS:
             return "chain" if best == "tree" else "tree"
         return best
 
-    def observe(self, layout: str, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or seconds <= 0:
+    def observe(self, layout: str, tokens: int, row_forwards: int, steps: int, seconds: float) -> None:
+        """A call ran: its tokens and the forwards its rows took part in, and its time over its steps."""
+        if tokens <= 0 or row_forwards <= 0 or steps <= 0 or seconds <= 0:
             return
-        new, old = tokens / seconds, self.rate.get(layout)
-        self.rate[layout] = new if old is None else old + (RATE_FALL if new > old else RATE_RISE) * (new - old)
+        self.tokens[layout] = self.tokens.get(layout, 0) + tokens
+        self.row_forwards[layout] = self.row_forwards.get(layout, 0) + row_forwards
+        old = self.step_seconds.get(layout)
+        self.step_seconds[layout] = seconds / steps if old is None else old + STEP_EMA * (seconds / steps - old)
         self.calls[layout] = self.calls.get(layout, 0) + 1
-        warm = min(self.calls.get(name, 0) for name in ("tree", "chain")) >= WARM_CALLS
-        best = max(self.rate, key=self.rate.get) if warm else None
-        self.since_probe = 0 if (warm and layout != best) else self.since_probe + 1
+        best = self.best()
+        self.since_probe = 0 if (best is not None and layout != best) else self.since_probe + 1
 
 
 _RECORDS: dict = {}

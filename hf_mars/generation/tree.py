@@ -186,8 +186,9 @@ class TreeDecoder(MARSDecoder):
         started = time.perf_counter()
         sequences = super().run(synced)
         if record is not None:
-            record.observe("chain" if self.tree_shape is None else "tree", sum(self.rows.emitted),
-                           time.perf_counter() - started)
+            rows = self.rows
+            record.observe("chain" if self.tree_shape is None else "tree", sum(rows.emitted), sum(rows.forwards),
+                           max(rows.forwards), time.perf_counter() - started)
         return sequences
 
     # ---------------------------------------------------------------- the chunk
