@@ -374,45 +374,49 @@ def test_threshold_plain_steps_emit_the_ar_token(peaky, monkeypatch):
 # ------------------------------------------------------------------------------------------ 'auto': tree or chain
 
 
-def test_auto_tries_both_layouts_then_keeps_the_faster_and_probes_the_other():
+def test_auto_tries_every_layout_then_keeps_the_fastest_and_probes_the_others():
     record = policy_module.CallRecord()
-    warm = policy_module.WARM_CALLS
+    warm, layouts = policy_module.WARM_CALLS, policy_module.CALL_LAYOUTS
+    speed = {"tree": (30, 0.030), "chain": (27, 0.020), "plain": (10, 0.012)}  # tokens per 10 forwards, seconds
     seen = []
-    for _ in range(2 * warm):  # the tree first, then both until each has its warm-up calls
+    for _ in range(warm * len(layouts)):  # the tree first, then each until it has its warm-up calls
         layout = record.choose()
         seen.append(layout)
-        # the tree: 3 tokens per forward at 3 ms a step; the chain: 2.7 at 2 ms (faster)
-        record.observe(layout, 30 if layout == "tree" else 27, 10, 10, 0.030 if layout == "tree" else 0.020)
-    assert seen[0] == "tree" and seen.count("tree") == seen.count("chain") == warm
-    assert record.best() == "chain"
-    kept = []
-    while record.since_probe < policy_module.PROBE_CALLS:  # the chain is kept ...
-        kept.append(record.choose())
-        record.observe("chain", 27, 10, 10, 0.020)
-    assert set(kept) == {"chain"} and record.choose() == "tree"  # ... until the tree is tried again
-    record.observe("tree", 30, 10, 10, 0.030)
-    assert record.since_probe == 0 and record.choose() == "chain"
-    # once the tree gets faster (another load), the record follows
-    for _ in range(20):
-        record.observe("tree", 30, 10, 10, 0.010)
-    assert record.best() == "tree"
+        record.observe(layout, speed[layout][0], 10, 10, speed[layout][1])
+    assert seen[0] == "tree" and all(seen.count(layout) == warm for layout in layouts)
+    assert record.best() == "chain"  # 1.35 tokens / ms against the tree's 1.0 and plain's 0.83
+    probed = []
+    for _ in range(2):
+        kept = []
+        while record.since_probe < policy_module.PROBE_CALLS:  # the chain is kept ...
+            kept.append(record.choose())
+            record.observe("chain", 27, 10, 10, 0.020)
+        probed.append(record.choose())  # ... until another is tried again: the one tried longest ago
+        record.observe(probed[-1], *speed[probed[-1]][:1], 10, 10, speed[probed[-1]][1])
+        assert set(kept) == {"chain"} and record.since_probe == 0 and record.choose() == "chain"
+    assert sorted(probed) == ["plain", "tree"]
+    for _ in range(20):  # once plain steps get faster (another load, weaker masks), the record follows
+        record.observe("plain", 10, 10, 10, 0.002)
+    assert record.best() == "plain"
 
 
 def test_default_verify_follows_the_record_and_stays_greedy(peaky, monkeypatch):
     """Where the record says the chain is faster, a default verify call decodes with the chain (the same forwards
-    as an explicit 'chain'); where it says the tree, with the tree; the output is plain greedy's either way."""
+    as an explicit 'chain'); the tree, with the tree; plain, one token per forward; plain greedy's output each time."""
     model, tok = peaky
     enc = tok(["hello world", "a"], return_tensors="pt", padding=True)
     kw = dict(max_new_tokens=16, do_sample=False, return_dict_in_generate=True)
     greedy = model.generate(**enc, **kw).sequences
     forwards = {}
-    for layout in ("tree", "chain"):
+    for layout in policy_module.CALL_LAYOUTS:
         monkeypatch.setattr(policy_module.CallRecord, "choose", lambda self, layout=layout: layout)
         out = model.generate(**enc, mars_verify=True, **kw)
         assert torch.equal(out.sequences, greedy)
         forwards[layout] = out.mars_forward_passes.tolist()
     chain = model.generate(**enc, mars_verify=True, mars_draft_tree="chain", **kw)
     assert forwards["chain"] == chain.mars_forward_passes.tolist()
+    emitted = out.mars_emitted_tokens.tolist()  # (the last call: plain)
+    assert forwards["plain"] == emitted  # one token per forward
     record = policy_module.record_for(model, 2, "call")
-    assert record.calls == {"tree": 1, "chain": 1}  # both calls were timed into the record
-    assert policy_module.choices_for(model, 2, "call") == {"tree": 1, "chain": 1}
+    assert record.calls == {"tree": 1, "chain": 1, "plain": 1}  # every call was timed into the record
+    assert policy_module.choices_for(model, 2, "call") == {"tree": 1, "chain": 1, "plain": 1}

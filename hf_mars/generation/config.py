@@ -79,7 +79,8 @@ class MARSGenerationConfig:
         "Read the last mask's prediction too (B + 1 candidates). Default: on in verify mode (a wrong draft only "
         "costs its rejection), off in threshold mode (it costs accuracy there)."))
     draft_tree: str | None = _field(None, (
-        "Verify mode's drafts: 'auto' (default: a tree where the call allows one, else the chain), 'chain' (one "
+        "Verify mode's drafts: 'auto' (default: where the call allows a tree, the tree or the chain, whichever "
+        "this process measured faster for the model and batch size; else the chain), 'chain' (one "
         "draft per depth, new drafts only after all were accepted), 'cost' (drafts sized per step: each row's "
         "layout (tree depth, branching, mask groups, or a plain 1-token step) chosen for the most expected tokens "
         "per second from the masks' probabilities and the measured cost of a step's width; the choice depends on "

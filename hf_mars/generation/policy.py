@@ -1,6 +1,8 @@
-"""Verify mode's opt-in ``draft_tree="cost"``: each step, the draft tree (or chain, or plain 1-token step) that is
+"""Draft layouts chosen by measured speed. Verify's default ``draft_tree="auto"`` (`CallRecord`): per call, the draft
+tree or the draft chain, whichever this process measured faster for the model, device, dtype and batch size. The
+opt-in ``draft_tree="cost"`` (`DraftPolicy`): each step, the draft tree (or chain, or plain 1-token step) that is
 expected to emit the most tokens per second, from the drafts' own probabilities and the measured cost of a step's
-width.
+width. Threshold mode's opt-in ``plain_steps`` (`ThresholdPolicy`).
 
 Why: no fixed layout is right everywhere. On the demo checkpoint on a CPU the all-top-1 tree with masks after
 every node wins at batch 1 and loses to the chain at batch 16, where a wide step costs 2.7x a 1-token step; on a
@@ -21,10 +23,11 @@ rate (tokens per drafting step over its cost) beats plain steps; a plain regime 
 then. Costs unknown yet are explored by taking the step once (a plain step, the first time). Every choice is
 lossless: a layout only decides which drafts are checked, never what is emitted (`rules.accepted_path`).
 
-Opt-in, not the default: its choices depend on timing, and on a shared machine its measured figures did not beat
-the fixed default tree ("auto"). The decoder asks it at `proposers.choose_layout` (before a step, `choose_step`)
-and tells it the step's time from `MARSDecoder.step` (after it, `observe_step`). `ThresholdPolicy` is threshold
-mode's opt-in counterpart (``plain_steps``).
+'cost' is opt-in: its per-step arithmetic costs host time (a few ms a step at batch 16 on a CPU) and on the
+shared machine measured it did not beat 'auto'. The decoder asks it at `proposers.choose_layout` (before a step,
+`choose_step`) and tells it the step's time from `MARSDecoder.step` (after it, `observe_step`). Every record is
+kept per model / device / dtype and batch size for the life of the process (`record_for`), as the step costs are
+(`cost.costs_for`): a short call has fewer steps than a warm-up.
 """
 
 from __future__ import annotations
@@ -339,47 +342,49 @@ def choices_for(model, rows: int, loop: str = "tree") -> dict:
     return _CHOICES.setdefault((model_key(model), int(rows), loop), {})
 
 
-# ---------------------------------------------------------------- 'auto': the tree or the chain, by measured calls
-WARM_CALLS = 4  # calls of each layout before the faster one is kept (the tree first, then in a shuffled order)
-PROBE_CALLS = 16  # calls with the faster layout before the other is tried again (the load may have changed)
+# ---------------------------------------------------------------- 'auto': tree, chain or plain, by measured calls
+CALL_LAYOUTS = ("tree", "chain", "plain")  # 'plain': one token per step (no masks), plain greedy's own steps
+WARM_CALLS = 3  # calls of each layout before the fastest is kept (the tree first, then in a shuffled order)
+PROBE_CALLS = 32  # calls with the fastest layout before another is tried again (the load may have changed)
 STEP_EMA = 0.3  # weight of a call in the running mean of a step's time
 
 
 @dataclasses.dataclass
 class CallRecord:
-    """Verify's default ('auto') per model / device / dtype and batch size: for the draft tree and the draft chain,
-    the tokens a row gains per forward (every call of that layout summed: they move with the prompts far more
-    than the two layouts differ, so only many calls tell them apart) and a step's time (a running mean: it
-    depends on the width, the layout's host work and the load, not much on the prompts); a layout's rate is their
-    ratio. At batch 1 on a CPU the tree wins, at larger batches the chain (docs/generation.md); where the balance
-    turns depends on the model and the machine, so it is measured."""
+    """Verify's default ('auto') per model / device / dtype and batch size: for the draft tree, the draft chain and
+    plain one-token steps, the tokens a row gains per forward (every call of that layout summed: they move with
+    the prompts far more than the layouts differ, so only many calls tell them apart) and a step's time (a running
+    mean: it depends on the width, the layout's host work and the load, not much on the prompts); a layout's rate
+    is their ratio. Verify's output is plain greedy's whatever the layout, so the fastest can always be taken: on
+    the demo checkpoint on a CPU the tree wins at batch 1 and the chain at larger batches; where masks do not pay
+    for their width (a large LM head on a CPU, weakly trained masks), plain steps (docs/generation.md)."""
 
-    tokens: dict = dataclasses.field(default_factory=dict)  # "tree" / "chain" -> tokens emitted, all calls
+    tokens: dict = dataclasses.field(default_factory=dict)  # layout -> tokens emitted, all its calls
     row_forwards: dict = dataclasses.field(default_factory=dict)  # ... forwards the rows took part in
     step_seconds: dict = dataclasses.field(default_factory=dict)
     calls: dict = dataclasses.field(default_factory=dict)
+    last_call: dict = dataclasses.field(default_factory=dict)  # layout -> the call count when it last ran
     since_probe: int = 0
 
     def rate(self, layout: str) -> float:
         return self.tokens[layout] / self.row_forwards[layout] / self.step_seconds[layout]
 
     def best(self) -> str | None:
-        if min(self.calls.get(layout, 0) for layout in ("tree", "chain")) < WARM_CALLS:
+        if min(self.calls.get(layout, 0) for layout in CALL_LAYOUTS) < WARM_CALLS:
             return None
-        return max(("tree", "chain"), key=self.rate)
+        return max(CALL_LAYOUTS, key=self.rate)
 
     def choose(self) -> str:
-        """The layout of the next call: each layout WARM_CALLS times (the tree first, then in an order that does
-        not repeat with a cycle of prompts), then the faster one, and the other once every PROBE_CALLS calls."""
-        best = self.best()
+        """The layout of the next call: each WARM_CALLS times (the tree first, then in an order that does not
+        repeat with a cycle of prompts), then the fastest, and every PROBE_CALLS calls the one tried longest ago."""
+        best, done = self.best(), sum(self.calls.values())
         if best is None:
-            done = sum(self.calls.values())
-            tree, chain = self.calls.get("tree", 0), self.calls.get("chain", 0)
-            if tree >= WARM_CALLS or chain >= WARM_CALLS:
-                return "chain" if tree >= WARM_CALLS else "tree"
-            return "tree" if done == 0 or (done * 2654435761) % 7 < 4 else "chain"
+            if done == 0:
+                return "tree"
+            short = [layout for layout in CALL_LAYOUTS if self.calls.get(layout, 0) < WARM_CALLS]
+            return short[(done * 2654435761 >> 7) % len(short)]
         if self.since_probe >= PROBE_CALLS:
-            return "chain" if best == "tree" else "tree"
+            return min((layout for layout in CALL_LAYOUTS if layout != best), key=lambda l: self.last_call.get(l, -1))
         return best
 
     def observe(self, layout: str, tokens: int, row_forwards: int, steps: int, seconds: float) -> None:
@@ -390,6 +395,7 @@ class CallRecord:
         self.row_forwards[layout] = self.row_forwards.get(layout, 0) + row_forwards
         old = self.step_seconds.get(layout)
         self.step_seconds[layout] = seconds / steps if old is None else old + STEP_EMA * (seconds / steps - old)
+        self.last_call[layout] = sum(self.calls.values())
         self.calls[layout] = self.calls.get(layout, 0) + 1
         best = self.best()
         self.since_probe = 0 if (best is not None and layout != best) else self.since_probe + 1

@@ -172,23 +172,25 @@ class TreeDecoder(MARSDecoder):
             _logger.warning_once(f"mars_draft_tree: decoding with the draft chain instead of a tree: {reason}.")
 
     def run(self, synced: bool = False):
-        """`MARSDecoder.run`; with the default 'auto', the tree or the chain, whichever this process measured
-        faster for this model at this batch size (`policy.CallRecord`); the call's own time goes to the record.
-        (`MARSEngine` steps its decoders without `run`: a served batch keeps the tree.)"""
-        record = None
+        """`MARSDecoder.run`; with the default 'auto', the tree, the chain or plain one-token steps, whichever this
+        process measured fastest for this model at this batch size (`policy.CallRecord`); the call's own time goes
+        to the record. (`MARSEngine` steps its decoders without `run`: a served batch keeps the tree.)"""
+        layout = record = None
         if self.tree_shape is not None and self.opts.draft_tree == "auto" and not synced:
             record = record_for(self.model, self.batch, "call")
             layout = record.choose()
             history = choices_for(self.model, self.batch, "call")
             history[layout] = history.get(layout, 0) + 1
-            if layout == "chain":
-                self.tree_shape = None  # (as where a tree is refused: the chain decodes)
+            if layout != "tree":  # (as where a tree is refused: the chain decodes)
+                self.tree_shape = None
+            if layout == "plain":  # no masks: every step takes AR's one token, as plain greedy
+                self.shape.one_token = True
         started = time.perf_counter()
         sequences = super().run(synced)
         if record is not None:
             rows = self.rows
-            record.observe("chain" if self.tree_shape is None else "tree", sum(rows.emitted), sum(rows.forwards),
-                           max(rows.forwards), time.perf_counter() - started)
+            record.observe(layout, sum(rows.emitted), sum(rows.forwards), max(rows.forwards),
+                           time.perf_counter() - started)
         return sequences
 
     # ---------------------------------------------------------------- the chunk
