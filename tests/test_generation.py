@@ -1060,7 +1060,7 @@ def test_batched_cache_is_compacted_and_output_unchanged(peaky, monkeypatch):
 def test_one_host_sync_per_step(peaky, monkeypatch, prompts, kw):
     """The loop reads device values on the host once per step (per-row metadata goes host -> device without a
     sync). Counted on the CPU: every .item() / .tolist() / .cpu() / bool() / int() / float() the decoding module
-    makes. (Stateful processors or criteria need a decision per emitted position: `_decide_exact` syncs more.)"""
+    makes. (Stateful processors or criteria need a decision per emitted position: `acceptor._exact` syncs more.)"""
     import sys
 
     model, tok = peaky
@@ -1134,7 +1134,7 @@ def test_one_call_and_slot_by_slot_processing_decide_alike(peaky, monkeypatch, k
         args["mars_draft_tree"] = "chain"
     seen = []
     real_init = MARSDecoder.__init__
-    import hf_mars.generation.decoder as decoder_module
+    import hf_mars.generation.acceptor as acceptor_module  # (it reads the slots: `acceptor.process`)
 
     from hf_mars.generation.clients import Clients
 
@@ -1144,7 +1144,7 @@ def test_one_call_and_slot_by_slot_processing_decide_alike(peaky, monkeypatch, k
         real_init(self, *a, **k)
         seen.append(reads_history(self.clients))
         if on_device and not kw.get("do_sample"):
-            monkeypatch.setattr(decoder_module, "history_free", lambda chain: False)
+            monkeypatch.setattr(acceptor_module, "history_free", lambda chain: False)
 
     monkeypatch.setattr(MARSDecoder, "__init__", init)
     monkeypatch.setattr(Clients, "reads_history", property(lambda clients: reads_history(clients) or on_device))

@@ -9,14 +9,17 @@ package ships inside every MARS checkpoint as ``custom_generate/``, see `hf_mars
   `reference_decode`, the algorithm in one screen: the tests and the short-answer bench hold the loop to it.
 - `proposers`: who lays out a step (threshold candidates / verify chain, a draft tree's root and its steps) and
   `choose_layout`, the one point where a step's layout is chosen.
+- `acceptor`: what a step emits, for every proposer (`accept`): reads the candidate slots (processors, one host
+  sync) and applies the rules; stateful clients position by position.
 - `plan`: a step's per-row counts and its chunk, laid out on the host.
 - `cache`: the KV cache's rollback (crop, 2D mask, compaction, static caches).
 - `decoder`: the rows of one generation and its one step (plan, forward, read, accept, roll back, commit);
-  `state`: its per-row state on the host (`Rows`), `row_tensors` on the device; `exact`: the path for stateful
-  clients. Its collaborators, settled once per call: `limits` (stops, length and step limits), `prompt` (the
-  prompt and its positions), `model_calls` (which forward runs: eager, compiled, guarded, a draft vocabulary),
-  `history` (the token history processors read, the streamer), `outputs` (scores, logits, statistics).
-- `tree`: verify mode over draft trees (several candidates per depth, masks after every node).
+  `state`: its per-row state on the host (`Rows`), `row_tensors` on the device. Its collaborators, settled once
+  per call: `limits` (stops, length and step limits), `prompt` (the prompt and its positions), `model_calls`
+  (which forward runs: eager, compiled, guarded, a draft vocabulary), `history` (the token history processors
+  read, the streamer), `outputs` (scores, logits, statistics).
+- `tree`: verify mode over draft trees (several candidates per depth, masks after every node): their layout and
+  the accepted path's cache columns.
 - `engine`: rows that join and leave a running batch (in-flight batching for servers).
 - `api`: `mars_generate`, `enable_mars` and the routing of ``generate``.
 - `_compat`: every transformers internal the decoder reads (checked by tests/test_generation_contract.py).

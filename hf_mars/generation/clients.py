@@ -62,7 +62,7 @@ class Clients:
     max_length: int | None  # MaxLengthCriteria's limit
     criteria: _sc.StoppingCriteriaList  # other criteria, checked after every accepted token on its AR history
     lagging: _sc.StoppingCriteriaList | None  # stateful criteria called in AR order behind the rows
-    exact: bool  # stateful clients that hold rows in lockstep: every position decided in order (`exact.py`)
+    exact: bool  # stateful clients that hold rows in lockstep: every position decided in order (`acceptor._exact`)
 
     @property
     def reads_history(self) -> bool:

@@ -1,23 +1,23 @@
 """The MARS decoding loop: the rows of one generation and the step that advances them.
 
 One step reads top to bottom (`MARSDecoder.step`): plan (per-row counts, `plan.py`), build the chunk (each row's
-uncached committed tokens, pending drafts, mask tokens), one forward over the KV cache, read the candidate slots
-(logits processors, one host sync; a compiled greedy step with no processor reads them in its graph), decide (the
-rules of `rules.py`, on the host), roll the cache back (`cache.py`), commit. Two cases move the rows in lockstep
-(the same count per step): stateful logits processors or criteria (they must see exactly the calls plain decoding
-makes: `exact.py`), and sliding-window caches or a static block cache (a window counts cache columns; a block's
-chunk spans the rows).
+uncached committed tokens, pending drafts, mask tokens), one forward over the KV cache, then the acceptor
+(`acceptor.accept`) reads the candidate slots (logits processors, one host sync; a compiled greedy step with no
+processor reads them in its graph) and decides with the rules of `rules.py`; the cache rolls back (`cache.py`) and
+the rows advance (commit). The decoder holds no acceptance rule. Two cases move the rows in lockstep (the same
+count per step): stateful logits processors or criteria (they must see exactly the calls plain decoding makes:
+the acceptor decides those position by position), and sliding-window caches or a static block cache (a window
+counts cache columns; a block's chunk spans the rows).
 """
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
 
 from .cache import RollbackCache
-from .clients import history_free, sort_clients
+from .clients import sort_clients
 from .config import mask_token_id
 from .forward import pad_prefill
 from .history import History
@@ -29,21 +29,8 @@ from .policy import threshold_policy
 from .prompt import Prompt
 from .proposers import choose_layout
 from .row_tensors import RowTensors
-from .rules import (
-    Decision,
-    choose,
-    confident,
-    cut_at_stop,
-    lockstep,
-    one_token,
-    proposed_drafts,
-    speculative_sample,
-    stops,
-    take_columns,
-    threshold_run,
-    verify_row,
-)
-from .state import Rows, Shape, SlotRead
+from .rules import one_token
+from .state import Rows, Shape, SlotRead, by_row
 
 
 class MARSDecoder:
@@ -76,12 +63,12 @@ class MARSDecoder:
         self.shape.fixed_width = self.calls.fixed_width
         self.rows = Rows.new(b, P, limits.max_new, self.prompt.tokens)  # every per-row value: `merge` / `keep_rows`
         self.row_tensors = RowTensors()  # the per-row values on the device: taus, verify sampling's drafts' q
-        self.copies_failed = False  # a stateful processor could not be copied (`exact.disposable_chain`)
+        self.copies_failed = False  # a stateful processor could not be copied (`acceptor.disposable_chain`)
         self.tree_shape = None  # verify mode's draft tree (`tree.TreeDecoder`); None: no tree
         # ragged rows leave masked columns in the cache, which every later forward pays for: compacted away
         # (full-attention caches, unlocked batches; a static cache in place, and also whenever a step would not
         # fit). A sliding window counts columns and a block cache's chunk spans rows: there every row accepts the
-        # same count each step (the exact path already moves rows that way)
+        # same count each step (the position-by-position path for stateful clients already moves rows that way)
         self.shape.compactable = not self.clients.exact and not self.shape.block and not self.cache.sliding
         self.shape.lockstep = b > 1 and not self.clients.exact and (
             self.cache.sliding or (self.cache.static and self.shape.block))
@@ -98,15 +85,14 @@ class MARSDecoder:
     def step(self) -> bool:
         """One forward and everything it decides; False once every row has finished. The same for every way of
         decoding: the proposer `choose_layout` picks lays the step out (plan), the model runs over the chunk
-        (forward), its slots are read and accepted by the rules (read, accept), the cache drops what was not
-        accepted (roll back) and the rows advance (commit)."""
+        (forward), the acceptor reads its slots and applies the rules (read, accept: `acceptor.accept`), the
+        cache drops what was not accepted (roll back) and the rows advance (commit)."""
         proposer = choose_layout(self)
         started = time.perf_counter()  # timed to the end of its one host sync (no sync added): the policy's cost
         plan = proposer.plan(self)
-        decision, record, kept = proposer.forward_and_accept(self, plan)
+        decision, kept = proposer.forward_and_accept(self, plan)
         accepted = [len(t) for t in decision.tokens]
-        if self.outputs.records is not None:
-            self.outputs.records.append(record(accepted))
+        self.outputs.record(decision, accepted, self.device)
         rows = self.rows
         finished = [plan.active[r] and (decision.stopped[r] or rows.emitted[r] + accepted[r] >= rows.limit[r])
                     for r in range(self.batch)]
@@ -175,78 +161,12 @@ class MARSDecoder:
                           tau=calls.tau_all if tau is None else tau, input_ids=input_ids,
                           position_ids=self.prompt.clamped(position_ids), **kwargs)
         self._count_forward()
-        return SlotRead(flat.tolist(), self.limits.max_slots, True, False, None)
-
-    def candidate_slots(self, plan, logits):
-        """Slot s of row r reads the logits column before its drafts and masks, plus s. Returns the float32 slot
-        logits (suppressed tokens at -inf: the mask token is never emitted) and the raw ones for output_logits."""
-        S, kept = plan.max_slots, plan.logits_kept
-        if plan.uniform:
-            r0 = plan.rows[0]
-            offset = kept - (plan.masks[r0] + plan.drafts[r0] + 1)
-            slot_logits = logits[:, offset:offset + S]
-        else:  # (batches only: one row is always uniform)
-            slot_logits = take_columns(logits, plan.slot_col_t)
-        slot_logits = slot_logits.float()  # (a view of the forward's output where it already is float32)
-        raw_logits = slot_logits.clone() if self.outputs.logits else None  # output_logits: before any processing
-        return slot_logits.index_fill(-1, self.limits.suppress_t, -math.inf), raw_logits  # (a new tensor: one op)
-
-    # ---------------------------------------------------------------- deciding (processors, then the rules)
-    def process(self, plan, slot_logits, chain, stop_at_ends=False):
-        """Run a processor chain on every slot and choose a token for it. A chain that ignores input_ids is one
-        call for all slots; otherwise slot s of row r is processed on the row's history extended by the tokens
-        of slots 0..s-1 (drafts where pending, chosen tokens otherwise), exactly what AR decoding would pass,
-        written into `seq` as it goes. Rows are grouped by history length; every call gets the full batch
-        (processors may hold per-row state) and rows outside the group are discarded. ``stop_at_ends`` (a chain
-        holding stateful objects): no history goes on past a row's EOS, as in AR decoding (grammar matchers raise
-        when handed one); once every row has ended no further slot is processed (none can be emitted)."""
-        if history_free(chain):
-            if len(chain) == 0:
-                return slot_logits, choose(slot_logits, self.do_sample)
-            b, S, V = slot_logits.shape
-            history = torch.zeros((b * S, 1), dtype=torch.long, device=self.device)  # (read by none of them)
-            scores = chain(history, slot_logits.reshape(-1, V)).view(b, S, V)
-            return scores, choose(scores, self.do_sample)
-        P, S = self.prompt_len, plan.max_slots
-        groups = {}
-        for r in plan.rows:
-            groups.setdefault(self.rows.emitted[r], []).append(r)
-        group_rows = {g: to_device(rs, self.device) for g, rs in groups.items()}
-        scores = torch.empty_like(slot_logits)
-        pad, eos_t, seq = self.limits.pad, self.limits.eos_t, self.history.seq
-        chosen = torch.full(slot_logits.shape[:2], pad, dtype=torch.long, device=self.device)
-        stop_at_ends = stop_at_ends and eos_t is not None
-        ended = None if plan.active_t is None else ~plan.active_t  # rows whose history takes pads from here on
-        if stop_at_ends and ended is None:
-            ended = torch.zeros(self.batch, dtype=torch.bool, device=self.device)
-        for s in range(S):
-            if s > 0 and stop_at_ends and bool(ended.all()):  # the rest is never emitted: raw logits, pads
-                scores[:, s:] = slot_logits[:, s:]
-                seq.scatter_(1, plan.slot_pos_t[:, s:], pad)
-                break
-            for g, rs in group_rows.items():
-                processed = chain(seq[:, :P + g + s], slot_logits[:, s].clone())
-                if len(group_rows) == 1:
-                    scores[:, s] = processed
-                else:
-                    scores[rs, s] = processed[rs]
-            tok = choose(scores[:, s], self.do_sample)
-            chosen[:, s] = tok
-            ext = tok if plan.forced_mask_t is None else torch.where(plan.forced_mask_t[:, s], plan.forced_t[:, s], tok)
-            if ended is not None:
-                ext = torch.where(ended, pad, ext)
-            seq.scatter_(1, plan.slot_pos_t[:, s:s + 1], ext[:, None])
-            if stop_at_ends:
-                ended = ended | stops(ext, eos_t) | stops(tok, eos_t)
-        return scores, chosen
-
-    def confident(self, scores, chosen, of_distribution):
-        """Whether each slot's confidence clears its row's tau."""
-        tau = self.opts.threshold if self.row_tensors.tau is None else self.row_tensors.tau
-        return confident(self.opts.acceptance, chosen, tau, scores, of_distribution=of_distribution)
+        host = flat.tolist()  # [tokens | flags], each (batch, max_slots): the step's one sync
+        half = len(host) // 2
+        return SlotRead(by_row(host[:half], self.batch), by_row(host[half:], self.batch))
 
     def speculate_no_more(self) -> None:
-        """A stateful processor could not be copied (`exact.disposable_chain`): from now on every step accepts
+        """A stateful processor could not be copied (`acceptor.disposable_chain`): from now on every step accepts
         one token, decided by the real processors alone."""
         self.copies_failed = True
         self.shape.one_token = True
@@ -275,78 +195,6 @@ class MARSDecoder:
         self.cache.select_rows(index)
         self.row_tensors.select(index)
         self.rows.select(keep)
-
-    def read_slots(self, plan, slot_logits) -> SlotRead:
-        """Process the candidates and bring each slot's token and flags to the host: the step's one sync."""
-        S, opts = plan.max_slots, self.opts
-        scores, chosen = self.process(plan, slot_logits, self.clients.processors)
-        parts, flags = [chosen.view(-1)], not (self.shape.one_token or S == 1)
-        if flags:
-            parts.append(self.confident(scores, chosen, of_distribution=opts.verify or not self.do_sample).view(-1))
-        Dm = max(plan.drafts)
-        sampled = opts.verify and self.do_sample and Dm > 0
-        if opts.verify and self.do_sample:
-            probs = torch.softmax(scores, dim=-1)
-            if sampled:
-                kept, resampled = speculative_sample(probs[:, :Dm], self.row_tensors.q_drafts[:, :Dm],
-                                                     plan.forced_t[:, :Dm])
-                parts += [kept.view(-1), resampled.view(-1)]
-            if plan.q_idx_t is not None:  # the distributions the next drafts are drawn from
-                self.row_tensors.keep_draft_distributions(probs, plan.q_idx_t)
-        return SlotRead(torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist(), S, flags, sampled, scores)
-
-    def decide(self, plan, read: SlotRead) -> Decision:
-        """Apply the rules to a step's slots on the host: threshold mode accepts candidate 0 and then slots while
-        confident; verify accepts the pending drafts AR agrees with plus one AR token and, when all were accepted,
-        proposes the confident mask slots after it as the next drafts. Stops (EOS, then other criteria) cut a run;
-        lockstep evens runs."""
-        b, opts, Dm = self.batch, self.opts, max(plan.drafts)
-        host, S, flags, sampled, scores = read
-        ok = host[b * S:2 * b * S] if flags else None
-        kept_at = b * S * (1 + flags)  # then, sampling verify: kept (b x Dm), the residual's tokens (b x Dm)
-        tokens, stopped = [[] for _ in range(b)], [False] * b
-        drafts_next = [[] for _ in range(b)] if opts.verify else None
-        for r in plan.rows:
-            o, n = r * S, plan.slots[r]
-            row = host[o:o + S]
-            conf = ok[o:o + S] if ok is not None else None
-            if opts.verify:
-                pending = self.rows.drafts[r]
-                d = len(pending)
-                kept_r = host[kept_at + r * Dm:kept_at + r * Dm + d] if sampled else None
-                resampled = host[kept_at + b * Dm + r * Dm:kept_at + b * Dm + r * Dm + d] if sampled else None
-                tokens[r] = verify_row(row, pending, kept_r, resampled)
-                if len(tokens[r]) == d + 1 and conf is not None:
-                    drafts_next[r] = proposed_drafts(row, conf, d + 1, n)
-            else:
-                tokens[r] = row[:threshold_run(conf, n) if conf is not None else 1]
-            stopped[r] = cut_at_stop(tokens[r], self.clients.eos_ids)
-        if len(self.clients.criteria) > 0:
-            self._apply_criteria(plan, tokens, stopped, scores)
-        if self.shape.lockstep:
-            lockstep(plan.rows, tokens, drafts_next or [[] for _ in range(b)], stopped, plan.drafts)
-        return Decision(tokens, stopped, drafts_next, scores)
-
-    def _apply_criteria(self, plan, tokens, stopped, scores):
-        """Stopping criteria beyond EOS / length, called after each decided token on its AR history (rows grouped
-        by history length; one sync); a run is cut after the first position a criterion stops."""
-        P, b = self.prompt_len, self.batch
-        seq = self.history.seq
-        self.history.write(plan.rows, self.rows.emitted, tokens, [False] * b)
-        longest = max((len(tokens[r]) for r in plan.rows), default=0)
-        groups = {}
-        for r in plan.rows:
-            groups.setdefault(self.rows.emitted[r], []).append(r)
-        hits = []
-        for i in range(1, longest + 1):
-            for g in groups:
-                hit = self.clients.criteria(seq[:, :P + g + i], (scores[:, i - 1],) if self.outputs.scores else None)
-                hits.append(torch.as_tensor(hit, device=self.device).expand(b))
-        host = torch.stack(hits).view(longest, len(groups), b).tolist() if hits else []
-        for j, (g, rs) in enumerate(groups.items()):
-            for r in rs:
-                if cut_at_stop(tokens[r], [host[i][j][r] for i in range(len(tokens[r]))]):
-                    stopped[r] = True
 
     # ---------------------------------------------------------------- after the decision
     def roll_back(self, plan, col_real, accepted, finished) -> int:

@@ -35,7 +35,7 @@ def _decode_call(model, **kwargs):
 
 def _read_call(model, slot_cols, suppress, tau, acceptance, **kwargs):
     """A decode step that reads its candidate slots too (greedy, no logits processor): each slot's token and whether
-    it clears tau, flat as [tokens | flags] - what `MARSDecoder._read_slots` computes eagerly after a forward, with
+    it clears tau, flat as [tokens | flags] - what `acceptor.read_slots` computes eagerly after a forward, with
     the same rules, here in the graph (seven small ops a step fewer outside it). ``slot_cols``: the logits column
     each slot reads; ``tau``: a tensor (a float would specialise the graph per value)."""
     logits = model(**kwargs).logits

@@ -11,6 +11,17 @@ import math
 
 import torch
 
+from .plan import to_device
+from .rules import take_columns
+
+
+def in_emitted_order(tensor, emit_slots: list, device):
+    """Per row, the slots of its emitted tokens first (``emit_slots``: a draft tree's root, then each accepted node):
+    the distributions of the emitted positions, as output_scores and stopping criteria read them."""
+    width = max(1, max(len(s) for s in emit_slots))
+    index = to_device([s[i] if i < len(s) else 0 for s in emit_slots for i in range(width)], device)
+    return take_columns(tensor, index.view(len(emit_slots), width))
+
 
 class Outputs:
     """Which outputs the call asked for, each step's record of them, and the statistics."""
@@ -20,15 +31,23 @@ class Outputs:
         self.scores = wants_dict and bool(generation_config.output_scores)
         self.logits = wants_dict and bool(generation_config.output_logits)
         self.records = [] if (self.scores or self.logits) else None  # per step: (scores, logits, accepted per row)
-        self.raw = None  # a draft tree's step: the slots' logits before processing (for output_logits)
+        self.raw = None  # the step's slot logits before processing (for output_logits: `keep_raw`)
         self.compactions = 0  # times the cache's masked-out columns were compacted away
 
-    def record(self, entry) -> None:
-        if self.records is not None:
-            self.records.append(entry)
+    def record(self, decision, accepted: list, device) -> None:
+        """A step's record (when output_scores or output_logits asked for one): the processed scores and the raw
+        logits at the slots its tokens were chosen at, in emitted order, and how many each row ``accepted``."""
+        if self.records is None:
+            return
+        scores = decision.scores if self.scores else None
+        raw = self.raw if self.logits else None
+        if decision.emit_slots is not None:  # a draft tree: the accepted path's slots
+            scores = None if scores is None else in_emitted_order(scores, decision.emit_slots, device)
+            raw = None if raw is None else in_emitted_order(raw, decision.emit_slots, device)
+        self.records.append((scores, raw, accepted))
 
     def keep_raw(self, slot_logits) -> None:
-        """A draft tree's slot logits before any processing, for output_logits."""
+        """A step's slot logits before any processing, for output_logits (a copy: processing may write in place)."""
         self.raw = slot_logits.clone() if self.logits else None
 
     def assemble(self, which, emitted, pad, device):

@@ -2,9 +2,9 @@
 
 Every MARS step is plan -> forward -> read -> accept -> roll back -> commit (`MARSDecoder.step`, the only step).
 The ways of decoding differ only in how a step's chunk is laid out (which pending drafts and masks each row
-feeds), how its candidate slots are read, and which cache columns stay afterwards. A proposer holds those parts,
-as vLLM's speculative decoding separates its proposers from the rejection sampler; what every proposer accepts is
-decided by `rules.py`'s rules:
+feeds), which logits columns are its candidate slots, and which cache columns stay afterwards. A proposer holds
+those parts; what is accepted is decided by the one acceptor (`acceptor.accept`, applying `rules.py`'s rules), as
+vLLM's speculative decoding separates its proposers from the rejection sampler:
 
 - `CANDIDATES`: threshold mode (candidate 0, then the masks while confident), the block cache, and verify mode's
   draft chain (pending drafts, then masks that propose the next ones); laid out by `plan.plan_step`.
@@ -15,7 +15,7 @@ decided by `rules.py`'s rules:
 
 from __future__ import annotations
 
-from .exact import decide_exact
+from .acceptor import accept
 from .plan import plan_step
 from .rules import take_columns
 
@@ -38,8 +38,7 @@ def choose_layout(dec):
 class Candidates:
     """Threshold mode, the block cache and verify mode's draft chain: per row [uncached committed | pending drafts
     | masks], right-aligned; the slots from candidate 0 on are read (in the compiled graph when greedy with no
-    processor), accepted on the host (`MARSDecoder.decide`, or position by position with stateful clients:
-    `exact.decide_exact`), and the masks' and rejected drafts' columns are cropped."""
+    processor) and accepted, and the masks' and rejected drafts' columns are cropped."""
 
     name = "candidates"
 
@@ -47,21 +46,21 @@ class Candidates:
         return plan_step(dec)
 
     def forward_and_accept(self, dec, plan):
-        """The forward and its decision; returns (decision, the step's record, what `roll_back` needs)."""
+        """The forward and its decision (`acceptor.accept`); returns (decision, what `roll_back` needs)."""
         input_ids, position_ids, col_real = dec.chunk(plan)
         if plan.read_slots:  # (compiled, greedy, no processor: the graph reads the slots)
-            decision = dec.decide(plan, dec.forward_read(plan, input_ids, position_ids, col_real))
-            raw_logits = None
-        else:
-            logits = dec.forward(plan, input_ids, position_ids, col_real)
-            slot_logits, raw_logits = dec.candidate_slots(plan, logits)
-            decision = decide_exact(dec, plan, slot_logits) if dec.clients.exact else dec.decide(
-                plan, dec.read_slots(plan, slot_logits))
+            return accept(dec, plan, dec.forward_read(plan, input_ids, position_ids, col_real)), col_real
+        logits = dec.forward(plan, input_ids, position_ids, col_real)
+        return accept(dec, plan, self.slots(plan, logits)), col_real
 
-        def record(accepted):
-            return decision.scores if dec.outputs.scores else None, raw_logits, accepted
-
-        return decision, record, col_real
+    @staticmethod
+    def slots(plan, logits):
+        """Slot s of row r reads the logits column before its drafts and masks, plus s."""
+        if not plan.uniform:  # (batches only: one row is always uniform)
+            return take_columns(logits, plan.slot_col_t)
+        r0 = plan.rows[0]
+        offset = plan.logits_kept - (plan.masks[r0] + plan.drafts[r0] + 1)
+        return logits[:, offset:offset + plan.max_slots]
 
     def roll_back(self, dec, plan, col_real, accepted, finished) -> int:
         return dec.roll_back(plan, col_real, accepted, finished)
@@ -78,8 +77,7 @@ class TreeRoot(Candidates):
         logits = dec.forward(plan, input_ids, position_ids, col_real)
         groups = [0 if dec.one_token_row(r) else dec.group for r in range(dec.batch)]
         trees = [dec.empty_tree() for _ in range(dec.batch)]
-        decision, _, emit_slots = dec.decide_tree(plan, dec.suppressed(logits[:, :1 + dec.group]), trees, groups)
-        return decision, lambda accepted: dec.path_records(decision.scores, emit_slots, accepted), col_real
+        return accept(dec, plan, logits[:, :1 + dec.group], trees, groups), col_real
 
 
 class TreeSteps:
@@ -93,9 +91,9 @@ class TreeSteps:
 
     def forward_and_accept(self, dec, plan):
         logits = dec.forward(plan, plan.input_ids, plan.pos_t, None, dec.tree_attention(plan))
-        slot_logits = logits if plan.slot_col_t is None else take_columns(logits, plan.slot_col_t)
-        decision, paths, emit_slots = dec.decide_tree(plan, dec.suppressed(slot_logits), plan.trees, plan.groups)
-        return decision, lambda accepted: dec.path_records(decision.scores, emit_slots, accepted), paths
+        slots = logits if plan.slot_col_t is None else take_columns(logits, plan.slot_col_t)
+        decision = accept(dec, plan, slots, plan.trees, plan.groups)
+        return decision, decision.paths
 
     def roll_back(self, dec, plan, paths, accepted, finished) -> int:
         return dec.keep_paths(plan, paths)

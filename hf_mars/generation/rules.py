@@ -1,9 +1,10 @@
 """The acceptance rules, each written once, and the algorithm in one screen (`reference_decode`).
 
-Every decoding path uses these functions: the fast path (processors applied to all candidate slots at once, or
-slot by slot on the history AR would show) and the exact path for stateful clients (one emitted position at a
-time). The paths differ only in where processors are called. The per-row rules run on the host, on short python
-lists (a step brings each slot's token and flags over in one sync); the per-distribution rules run on tensors.
+Every decoding path uses these functions, through the one acceptor (`acceptor.accept`): the fast path (processors
+applied to all candidate slots at once, or slot by slot on the history AR would show) and the exact path for
+stateful clients (one emitted position at a time). The paths differ only in where processors are called. The
+per-row rules run on the host, on short python lists (a step brings each slot's token and flags over in one sync);
+the per-distribution rules run on tensors.
 """
 
 from __future__ import annotations
@@ -56,12 +57,15 @@ def reference_decode(model, prompt_ids, mask_token_id, block_size=4, threshold=0
 
 @dataclasses.dataclass
 class Decision:
-    """What a step decided, per row: the tokens it emits, whether it stopped, verify mode's next drafts."""
+    """What a step decided, per row: the tokens it emits, whether it stopped, verify mode's next drafts (`acceptor`
+    decides it)."""
 
     tokens: list
     stopped: list
     drafts: list | None
     scores: torch.Tensor | None  # the processed scores of the candidate slots (output_scores)
+    paths: list | None = None  # a draft tree: each row's accepted nodes (`accepted_path`), whose columns stay
+    emit_slots: list | None = None  # a draft tree: the slot each emitted token was chosen at (else token i: slot i)
 
 
 def one_token(tau: float) -> bool:

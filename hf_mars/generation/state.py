@@ -1,6 +1,6 @@
 """What a MARS generation keeps between steps on the host: the geometry of its steps (`Shape`), its rows' state
-(`Rows`) and one step's slots read back from the device (`SlotRead`). Plain python values: reading them costs no
-device sync.
+(`Rows`) and one step's slots read back from the device (`SlotRead`, `by_row`). Plain python values: reading them
+costs no device sync.
 """
 
 from __future__ import annotations
@@ -70,11 +70,18 @@ class Rows:
 
 
 class SlotRead(NamedTuple):
-    """A step's slots on the host: per row, ``slots`` tokens, then (``flags``) as many confidence flags, then
-    (``sampled``, verify sampling) the kept flags and the residual's tokens of its pending drafts."""
+    """A step's candidate slots on the host, per row (`acceptor.read_slots`, or a compiled step's own read): the
+    token chosen at each slot, whether it clears tau (None: not read), and in verify sampling each pending draft's
+    speculative-sampling outcome (kept, and the residual's token where it was not)."""
 
-    host: list
-    slots: int
-    flags: bool
-    sampled: bool
-    scores: torch.Tensor | None  # the processed scores (output_scores; None when read in the graph)
+    chosen: list
+    confident: list | None
+    kept: list | None = None
+    resampled: list | None = None
+    scores: torch.Tensor | None = None  # the processed scores (output_scores; None when read in the graph)
+
+
+def by_row(values: list, rows: int) -> list:
+    """A flat host list of ``rows`` equal rows (row-major, as a (rows, n) tensor flattens) as one list per row."""
+    n = len(values) // rows if rows else 0
+    return [values[r * n:(r + 1) * n] for r in range(rows)]

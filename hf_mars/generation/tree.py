@@ -10,9 +10,13 @@ last node's masks hold the next tree's candidates: no forward is spent only prop
 
 A mask's prediction depends only on the path before it, so the candidates at depth d are the same under every
 parent; a static shape (k_1, ..., k_D) is the product of each depth's top-k_d (`Tree.grow`). Greedy output is
-plain greedy's: every emitted token is the AR argmax at its exact prefix (`rules.accepted_path`). Sampling,
-processors that read the token history and caches that cannot take a gathered path (static, sliding-window)
-decode with the chain instead (`refusal`).
+plain greedy's: every emitted token is the AR argmax at its exact prefix (`rules.accepted_path`, applied by
+`acceptor.accept` with the next candidates read from the path's masks). Sampling, processors that read the token
+history and caches that cannot take a gathered path (static, sliding-window) decode with the chain instead
+(`refusal`).
+
+This module lays a tree step out (`TreeDecoder.plan_tree`, its attention) and keeps the accepted path's cache
+columns (`TreeDecoder.keep_paths`); it decides nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from .decoder import MARSDecoder
 from .cost import costs_for
 from .plan import to_device
 from .policy import DraftPolicy, choices_for, menu, propose_shape, record_for
-from .rules import Decision, accepted_path, confident, cut_at_stop, draft_count, draft_room, one_token, take_columns
+from .rules import draft_room, one_token
 
 _logger = _hf_logging.get_logger(__name__)
 
@@ -42,7 +46,6 @@ TREE_ATTENTION = ("sdpa", "eager")  # attention implementations that take a prep
 # 2.80 at 1.02x. Batch 4 (a wider step costs more there): 0.03: 3.02 at 0.95x; 0.1: 2.99 at 0.97x; 0.3: 2.90 at
 # 1.03x; 1.0: 2.80 at 1.01x. (On a GPU a wider step costs little: more groups should pay there.)
 GROUP_MIN_SHARE = 0.03
-PROB_SCALE = 1 << 20  # probabilities cross to the host as integers beside the token ids (one copy)
 
 
 @dataclasses.dataclass
@@ -146,8 +149,8 @@ def refusal(dec) -> str | None:
 
 
 class TreeDecoder(MARSDecoder):
-    """Verify mode over draft trees; the chain's decoder (its prefill, commit, criteria, streaming, compaction)
-    does everything a tree does not change."""
+    """Verify mode over draft trees: the tree's layout and the accepted path's cache columns; the chain's decoder
+    (its prefill, commit, streaming, compaction) and the acceptor do everything a tree does not change."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -274,67 +277,6 @@ class TreeDecoder(MARSDecoder):
         dtype = self.model.dtype if self.model.dtype.is_floating_point else torch.float32
         return torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(
             ~allowed, torch.finfo(dtype).min)
-
-    def suppressed(self, slot_logits):
-        slot_logits = slot_logits.to(dtype=torch.float32, copy=True)
-        self.outputs.keep_raw(slot_logits)
-        return slot_logits.index_fill_(-1, self.limits.suppress_t, float("-inf"))
-
-    # ---------------------------------------------------------------- deciding
-    def decide_tree(self, plan, slot_logits, trees, groups):
-        """AR's token at every slot, each slot's confidence and each mask's top-k tokens and probabilities, in one
-        sync; per row the accepted path (`rules.accepted_path`) plus AR's token after it, and the next candidates
-        from that node's masks (leading depths whose top probability clears the draft tau, as the chain truncates
-        its drafts; none when the node has no masks)."""
-        b, S = slot_logits.shape[:2]
-        scores, chosen = self.process(plan, slot_logits, self.clients.processors)
-        k = max(self.propose_shape)
-        probs = torch.softmax(scores, dim=-1)
-        tau = self.opts.threshold if self.row_tensors.tau is None else self.row_tensors.tau
-        sure = confident(self.opts.acceptance, chosen, tau, probs=probs, of_distribution=True)
-        top = probs.topk(k, dim=-1)
-        parts = [chosen.view(-1), sure.view(-1), top.indices.view(-1),
-                 (top.values * PROB_SCALE).round().long().view(-1)]
-        host = torch.cat(parts).tolist()
-        top_at, prob_at = 2 * b * S, 2 * b * S + b * S * k
-        tokens, stopped, drafts_next = [[] for _ in range(b)], [False] * b, [[] for _ in range(b)]
-        paths, emit_slots = [[] for _ in range(b)], [[] for _ in range(b)]
-        for r in plan.rows:
-            row, conf, tree, g = host[r * S:(r + 1) * S], host[b * S + r * S:b * S + (r + 1) * S], trees[r], groups[r]
-            path = accepted_path(tree.children(), tree.tokens, lambda n, row=row: row[n + 1])
-            last = path[-1] if path else -1
-            tokens[r] = [tree.tokens[n] for n in path] + [row[last + 1]]
-            paths[r], emit_slots[r] = path, [0] + [n + 1 for n in path]
-            # the next candidates: the masks after the path's last node; when it has none, the later masks of its
-            # deepest ancestor that has (they predict the same positions from a shorter prefix)
-            anchor = last
-            while anchor >= 0 and anchor not in tree.grouped:
-                anchor = tree.parents[anchor]
-            if g and anchor in tree.grouped:
-                start = 1 + len(tree.tokens) + tree.grouped.index(anchor) * g
-                shift = (tree.depths[last] if last >= 0 else 0) - (tree.depths[anchor] if anchor >= 0 else 0)
-                first = start + shift
-                for j in range(draft_count(conf, first, start + g)):
-                    at = (r * S + first + j) * k
-                    drafts_next[r].append([(host[top_at + at + i], host[prob_at + at + i] / PROB_SCALE)
-                                           for i in range(self.propose_shape[j])])
-            stopped[r] = cut_at_stop(tokens[r], self.clients.eos_ids)
-            del emit_slots[r][len(tokens[r]):]
-        if len(self.clients.criteria) > 0:
-            self._apply_criteria(plan, tokens, stopped, self._in_path_order(scores, emit_slots))
-        return Decision(tokens, stopped, drafts_next, scores), paths, emit_slots
-
-    def _in_path_order(self, tensor, emit_slots):
-        """Per row, the slots of its emitted tokens first (the AR distribution at the root, then at each accepted
-        node): what output_scores and criteria read as the distributions of the emitted positions."""
-        width = max(1, max(len(s) for s in emit_slots))
-        index = to_device([s[i] if i < len(s) else 0 for s in emit_slots for i in range(width)], self.device)
-        return take_columns(tensor, index.view(self.batch, width))
-
-    def path_records(self, scores, emit_slots, accepted):
-        outputs = self.outputs
-        return (self._in_path_order(scores, emit_slots) if outputs.scores else None,
-                self._in_path_order(outputs.raw, emit_slots) if outputs.logits else None, accepted)
 
     # ---------------------------------------------------------------- the cache
     def keep_paths(self, plan, paths) -> int:
