@@ -374,29 +374,38 @@ def test_threshold_plain_steps_emit_the_ar_token(peaky, monkeypatch):
 # ------------------------------------------------------------------------------------------ 'auto': tree or chain
 
 
+def _calls(drafted_steps, row_steps=10, tokens_per_drafted_step=3):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(row_steps=row_steps, drafted_steps=drafted_steps,
+                           drafted_tokens=drafted_steps * tokens_per_drafted_step)
+
+
 def test_auto_tries_every_layout_then_keeps_the_fastest_and_probes_the_others():
     record = policy_module.CallRecord()
     warm, layouts = policy_module.WARM_CALLS, policy_module.CALL_LAYOUTS
-    speed = {"tree": (30, 0.030), "chain": (27, 0.020), "plain": (10, 0.012)}  # tokens per 10 forwards, seconds
+    # (row-steps with drafts of 10, seconds per step): the tree has drafts after a rejection, the chain does not
+    speed = {"tree": (9, 0.003), "chain": (6, 0.002), "plain": (0, 0.0012)}
     seen = []
     for _ in range(warm * len(layouts)):  # the tree first, then each until it has its warm-up calls
         layout = record.choose()
         seen.append(layout)
-        record.observe(layout, speed[layout][0], 10, 10, speed[layout][1])
+        record.observe(layout, _calls(speed[layout][0]), 10, 10 * speed[layout][1])
     assert seen[0] == "tree" and all(seen.count(layout) == warm for layout in layouts)
-    assert record.best() == "chain"  # 1.35 tokens / ms against the tree's 1.0 and plain's 0.83
+    assert record.tokens_per_forward("tree") == pytest.approx(2.8) and record.tokens_per_forward("plain") == 1.0
+    assert record.best() == "chain"  # 2.2 tokens per 2 ms, against the tree's 2.8 per 3 ms and plain's 1 per 1.2
     probed = []
     for _ in range(2):
         kept = []
         while record.since_probe < policy_module.PROBE_CALLS:  # the chain is kept ...
             kept.append(record.choose())
-            record.observe("chain", 27, 10, 10, 0.020)
+            record.observe("chain", _calls(6), 10, 0.020)
         probed.append(record.choose())  # ... until another is tried again: the one tried longest ago
-        record.observe(probed[-1], *speed[probed[-1]][:1], 10, 10, speed[probed[-1]][1])
+        record.observe(probed[-1], _calls(speed[probed[-1]][0]), 10, 10 * speed[probed[-1]][1])
         assert set(kept) == {"chain"} and record.since_probe == 0 and record.choose() == "chain"
     assert sorted(probed) == ["plain", "tree"]
-    for _ in range(20):  # once plain steps get faster (another load, weaker masks), the record follows
-        record.observe("plain", 10, 10, 10, 0.002)
+    for _ in range(60):  # masks that stop paying (other text): the drafts accepted are pooled (recent calls weigh
+        record.observe("chain", _calls(6, tokens_per_drafted_step=1), 10, 0.020)  # most): every layout falls
     assert record.best() == "plain"
 
 

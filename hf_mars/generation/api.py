@@ -27,7 +27,7 @@ from transformers.generation import stopping_criteria as _sc
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import check_rollback
-from .config import MARS_ARGUMENTS, MARSGenerationConfig, config_value, mask_token_id, text_config
+from .config import MARS_ARGUMENTS, MARSGenerationConfig, mask_token_id
 from .decoder import MARSDecoder
 from .model_calls import LOOP_KWARGS, cache_key
 from .tree import TreeDecoder
@@ -70,7 +70,7 @@ def check_supported(model, generation_config, model_kwargs, input_ids) -> int:
             "MARS decoding needs a prompt of at least one token per row; got input_ids of shape "
             f"{tuple(input_ids.shape)}. Start the prompt with BOS or the chat template's generation prompt.")
     gc = generation_config
-    if config_value(model.config, "is_encoder_decoder", False):
+    if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError("MARS decoding supports decoder-only models only.")
     if (gc.num_beams or 1) > 1:
         raise ValueError(f"MARS decoding cannot be combined with beam search (num_beams={gc.num_beams}); use "
@@ -94,14 +94,9 @@ def check_supported(model, generation_config, model_kwargs, input_ids) -> int:
             raise ValueError(f"MARS decoding does not know how to extend the per-token model input {key!r} over "
                              "several tokens per step; it is not supported.")
     mask_id = mask_token_id(model)
-    # the embeddings' rows, asked of the model (~20-60 us) until they were seen to equal the config's vocab_size,
-    # which transformers keeps in step with them (resize_token_embeddings): then the config's, while it says so
-    vocab = config_value(text_config(model.config), "vocab_size")
-    if vocab is None or model.__dict__.get("_mars_vocab_size") != vocab:
-        embeddings = model.get_output_embeddings()
-        rows = embeddings.weight.shape[0] if embeddings is not None else None
-        model.__dict__["_mars_vocab_size"] = rows if rows == vocab else None
-        vocab = rows
+    embeddings = model.get_output_embeddings()
+    vocab = embeddings.weight.shape[0] if embeddings is not None else getattr(model.config.get_text_config(),
+                                                                              "vocab_size", None)
     if vocab is not None and mask_id >= vocab:
         raise ValueError(f"mask_token_id {mask_id} is outside the model's vocabulary ({vocab}); resize the "
                          "embeddings (hf_mars.add_mask_token does it).")

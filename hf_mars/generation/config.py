@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 
 from transformers.utils import logging as _hf_logging
 
@@ -27,14 +26,11 @@ DRAFT_TREE_MODES = ("auto", "chain", "cost")  # besides a shape "k1,k2,...": see
 BOOL_FIELDS = ("verify", "use_last_mask", "compile_prefill", "guard_every_step", "plain_steps")
 
 
-@functools.lru_cache(maxsize=None)
 def _fields(cls) -> tuple:
-    """(name, default) of each field of the dataclass ``cls``, in order: `dataclasses.fields` rebuilds its tuple on
-    every call, and options are resolved on every generate call."""
+    """(name, default) of each field of the dataclass ``cls``, in order."""
     return tuple((f.name, f.default) for f in dataclasses.fields(cls))
 
 
-@functools.lru_cache(maxsize=None)
 def _argument_names(cls) -> tuple:
     return tuple("mars_" + name for name, _ in _fields(cls))
 
@@ -172,15 +168,9 @@ class MARSGenerationConfig:
             values["threshold"] = saved.get("mars_threshold")
         if values.get("block_size") is None:
             values["block_size"] = meta.get("block_size") or DEFAULT_BLOCK_SIZE
-        config = _checked(cls, tuple(values.items()), frozenset(from_call))
+        config = _build(cls, tuple(values.items()), frozenset(from_call))
         config.warn_about(meta)
         return config
-
-    def __setattr__(self, name, value):
-        if self.__dict__.get("_resolved"):
-            raise AttributeError(f"a resolved MARSGenerationConfig is shared between calls; {name!r} cannot be set "
-                                 "(pass mars_config=MARSGenerationConfig(...) or mars_* arguments instead).")
-        super().__setattr__(name, value)
 
     @classmethod
     def add_arguments(cls, parser, names) -> None:
@@ -231,23 +221,6 @@ def _build(cls, items: tuple, from_call: frozenset):
     return config
 
 
-@functools.lru_cache(maxsize=256)
-def _build_shared(cls, items: tuple, from_call: frozenset):
-    config = _build(cls, items, from_call)
-    config._resolved = True  # read-only from here: every call with these options shares it
-    return config
-
-
-def _checked(cls, items: tuple, from_call: frozenset):
-    """The config of these field values, checked: made once per distinct set of values (options are resolved on
-    every generate call, and building and checking a config costs as much as a short answer's step)."""
-    try:
-        hash(items)
-    except TypeError:  # (a draft-tree shape given as a list): this call's own
-        return _build(cls, items, from_call)
-    return _build_shared(cls, items, from_call)
-
-
 def parse_draft_tree(value, max_depth: int | None = None):
     """A draft-tree option in its one form: 'auto', 'chain', 'cost' or a shape string 'k1,k2,...' (from a string, a list
     or a tuple of ints >= 1, at most ``max_depth`` deep: mask d predicts depth d, and there are B - 1 masks, B with
@@ -275,7 +248,7 @@ MARS_ARGUMENTS = ("mars", "mars_config") + MARSGenerationConfig.argument_names()
 
 def read_mars_metadata(config) -> dict:
     """``config.mars`` (``{}`` when the model was never prepared for MARS); a non-dict value is an error."""
-    meta = config_value(config, "mars")
+    meta = getattr(config, "mars", None)
     if meta is None:
         return {}
     if not isinstance(meta, dict):
@@ -295,34 +268,6 @@ def check_block_size(value, name: str = "mars_block_size") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1 (the trained block size, e.g. 4), got {value!r}.")
     return value
-
-
-_TEXT_CONFIG_NAMES = frozenset(("text_encoder", "decoder", "generator", "text_config"))
-
-
-@functools.lru_cache(maxsize=None)
-def _has_text_config_attribute(cls) -> bool:
-    return any(hasattr(cls, name) for name in _TEXT_CONFIG_NAMES)
-
-
-def config_value(config, name: str, default=None):
-    """``getattr(config, name, default)``, read from the config's own ``__dict__`` where it is there: transformers'
-    configs resolve every attribute read in python (aliases of ``attribute_map`` are not in ``__dict__``, so they
-    still go through it), and a call reads a few on every generate call."""
-    try:
-        values = object.__getattribute__(config, "__dict__")
-    except AttributeError:
-        return getattr(config, name, default)
-    return values[name] if name in values else getattr(config, name, default)
-
-
-def text_config(config):
-    """``config.get_text_config()`` without its attribute search where the config has none of the sub-configs it
-    looks for (most causal LMs: the config itself): the search costs ~12 us, on every generate call."""
-    if _has_text_config_attribute(type(config)) or not _TEXT_CONFIG_NAMES.isdisjoint(
-            object.__getattribute__(config, "__dict__")):
-        return config.get_text_config()
-    return config
 
 
 def mask_token_id(model, required: bool = True) -> int | None:

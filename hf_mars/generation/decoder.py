@@ -89,11 +89,13 @@ class MARSDecoder:
         cache drops what was not accepted (roll back) and the rows advance (commit)."""
         proposer = choose_layout(self)
         started = time.perf_counter()  # timed to the end of its one host sync (no sync added): the policy's cost
+        rows = self.rows
+        had_drafts = [bool(d) for d in rows.drafts]
         plan = proposer.plan(self)
         decision, kept = proposer.forward_and_accept(self, plan)
         accepted = [len(t) for t in decision.tokens]
         self.outputs.record(decision, accepted, self.device)
-        rows = self.rows
+        self.outputs.count_drafted(plan.rows, had_drafts, accepted)
         finished = [plan.active[r] and (decision.stopped[r] or rows.emitted[r] + accepted[r] >= rows.limit[r])
                     for r in range(self.batch)]
         keep_cols = proposer.roll_back(self, plan, kept, accepted, finished)
@@ -103,7 +105,9 @@ class MARSDecoder:
             self.outputs.compactions += 1
         if self.clients.lagging is not None:
             self._check_lagging()
-        if self.policy is not None and not plan.first:
+        if plan.first:
+            self.outputs.decode_started = time.perf_counter()
+        elif self.policy is not None:
             self.policy.observe_step(self, plan, time.perf_counter() - started, accepted)
         return any(rows.unfinished)
 

@@ -18,15 +18,9 @@ from ._compat import compile_stance_is_default, never_compiled
 from .rules import choose, confident, take_columns
 
 
-@functools.lru_cache(maxsize=64)
-def _forward_takes_logits_to_keep(forward) -> bool:
-    return "logits_to_keep" in inspect.signature(forward).parameters
-
-
 def takes_logits_to_keep(model) -> bool:
-    """Whether the model's forward can skip the LM head on columns nobody reads (read once per model class: a
-    signature costs ~0.2 ms, a short answer's whole set-up is a few ms)."""
-    return _forward_takes_logits_to_keep(type(model).forward)
+    """Whether the model's forward can skip the LM head on columns nobody reads."""
+    return "logits_to_keep" in inspect.signature(type(model).forward).parameters
 
 
 def _decode_call(model, **kwargs):

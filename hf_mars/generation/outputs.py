@@ -33,6 +33,19 @@ class Outputs:
         self.records = [] if (self.scores or self.logits) else None  # per step: (scores, logits, accepted per row)
         self.raw = None  # the step's slot logits before processing (for output_logits: `keep_raw`)
         self.compactions = 0  # times the cache's masked-out columns were compacted away
+        # verify: row-steps, those that started with drafts, and the tokens those emitted (`count_drafted`)
+        self.row_steps = self.drafted_steps = self.drafted_tokens = 0
+        self.decode_started = None  # perf_counter() at the end of the first step (the prefill)
+
+    def count_drafted(self, rows: list, had_drafts: list, accepted: list) -> None:
+        """A step's rows: how many started with drafts and what those emitted. Tokens per drafted step are the
+        masks' quality on this text, whatever the layout; the share of steps with drafts is the layout's own
+        (a tree has the next drafts after a rejection, the chain has not): `policy.CallRecord` weighs both."""
+        self.row_steps += len(rows)
+        for r in rows:
+            if had_drafts[r]:
+                self.drafted_steps += 1
+                self.drafted_tokens += accepted[r]
 
     def record(self, decision, accepted: list, device) -> None:
         """A step's record (when output_scores or output_logits asked for one): the processed scores and the raw

@@ -346,28 +346,41 @@ def choices_for(model, rows: int, loop: str = "tree") -> dict:
 CALL_LAYOUTS = ("tree", "chain", "plain")  # 'plain': one token per step (no masks), plain greedy's own steps
 WARM_CALLS = 3  # calls of each layout before the fastest is kept (the tree first, then in a shuffled order)
 PROBE_CALLS = 32  # calls with the fastest layout before another is tried again (the load may have changed)
-STEP_EMA = 0.3  # weight of a call in the running mean of a step's time
+STEP_DECAY = 0.7  # per call of a layout, the weight left to its earlier calls' seconds and steps
+POOL_DECAY = 0.98  # per call, the weight left to earlier calls' draft counts (about the last 50 calls count)
 
 
 @dataclasses.dataclass
 class CallRecord:
-    """Verify's default ('auto') per model / device / dtype and batch size: for the draft tree, the draft chain and
-    plain one-token steps, the tokens a row gains per forward (every call of that layout summed: they move with
-    the prompts far more than the layouts differ, so only many calls tell them apart) and a step's time (a running
-    mean: it depends on the width, the layout's host work and the load, not much on the prompts); a layout's rate
-    is their ratio. Verify's output is plain greedy's whatever the layout, so the fastest can always be taken: on
-    the demo checkpoint on a CPU the tree wins at batch 1 and the chain at larger batches; where masks do not pay
-    for their width (a large LM head on a CPU, weakly trained masks), plain steps (docs/generation.md)."""
+    """Verify's default ('auto') per model / device / dtype and batch size: the draft tree, the draft chain or plain
+    one-token steps, whichever gives the most tokens per second. Verify's output is plain greedy's whatever the
+    layout, so the fastest can always be taken: on the demo checkpoint on a CPU the tree wins at batch 1 and the
+    chain at larger batches; where masks do not pay for their width (a large LM head on a CPU, weakly trained
+    masks), plain steps (docs/generation.md).
 
-    tokens: dict = dataclasses.field(default_factory=dict)  # layout -> tokens emitted, all its calls
-    row_forwards: dict = dataclasses.field(default_factory=dict)  # ... forwards the rows took part in
-    step_seconds: dict = dataclasses.field(default_factory=dict)
+    A layout's tokens per forward are 1 + (the share of its row-steps that start with drafts) x (the drafts
+    accepted in such a step). The share is the layout's own (the tree has drafts after a rejection, the chain has
+    not) and hardly moves with the prompts; the drafts accepted are the masks' quality on the text, the same for
+    every layout, so they are pooled over all calls: measured per layout on different prompts they would differ by
+    more than the layouts do. A step's time is each layout's own (width, host work, load): its recent calls' decode
+    seconds over their decode steps (a short answer's few steps weigh little)."""
+
+    drafted_steps: float = 0.0  # every call (decayed by POOL_DECAY a call): row-steps that started with drafts ...
+    drafted_tokens: float = 0.0  # ... and the tokens they emitted
+    with_drafts: dict = dataclasses.field(default_factory=dict)  # layout -> [drafted row-steps, row-steps]
+    step_seconds: dict = dataclasses.field(default_factory=dict)  # layout -> [seconds, decode steps], decayed
     calls: dict = dataclasses.field(default_factory=dict)
     last_call: dict = dataclasses.field(default_factory=dict)  # layout -> the call count when it last ran
     since_probe: int = 0
 
+    def tokens_per_forward(self, layout: str) -> float:
+        drafted, steps = self.with_drafts.get(layout, (0, 0))
+        gain = self.drafted_tokens / self.drafted_steps - 1.0 if self.drafted_steps else 0.0
+        return 1.0 + (drafted / steps if steps else 0.0) * gain
+
     def rate(self, layout: str) -> float:
-        return self.tokens[layout] / self.row_forwards[layout] / self.step_seconds[layout]
+        seconds, steps = self.step_seconds[layout]
+        return self.tokens_per_forward(layout) * steps / seconds
 
     def best(self) -> str | None:
         if min(self.calls.get(layout, 0) for layout in CALL_LAYOUTS) < WARM_CALLS:
@@ -387,14 +400,17 @@ class CallRecord:
             return min((layout for layout in CALL_LAYOUTS if layout != best), key=lambda l: self.last_call.get(l, -1))
         return best
 
-    def observe(self, layout: str, tokens: int, row_forwards: int, steps: int, seconds: float) -> None:
-        """A call ran: its tokens and the forwards its rows took part in, and its time over its steps."""
-        if tokens <= 0 or row_forwards <= 0 or steps <= 0 or seconds <= 0:
+    def observe(self, layout: str, outputs, steps: int, seconds: float) -> None:
+        """A call ran: its draft counts (`outputs.Outputs.count_drafted`) and its time over its steps."""
+        if outputs.row_steps <= 0 or steps <= 0 or seconds <= 0:
             return
-        self.tokens[layout] = self.tokens.get(layout, 0) + tokens
-        self.row_forwards[layout] = self.row_forwards.get(layout, 0) + row_forwards
-        old = self.step_seconds.get(layout)
-        self.step_seconds[layout] = seconds / steps if old is None else old + STEP_EMA * (seconds / steps - old)
+        self.drafted_steps = POOL_DECAY * self.drafted_steps + outputs.drafted_steps
+        self.drafted_tokens = POOL_DECAY * self.drafted_tokens + outputs.drafted_tokens
+        drafted, total = self.with_drafts.get(layout, (0, 0))
+        self.with_drafts[layout] = (POOL_DECAY * drafted + outputs.drafted_steps,
+                                    POOL_DECAY * total + outputs.row_steps)
+        spent, stepped = self.step_seconds.get(layout, (0.0, 0))
+        self.step_seconds[layout] = (STEP_DECAY * spent + seconds, STEP_DECAY * stepped + steps)
         self.last_call[layout] = sum(self.calls.values())
         self.calls[layout] = self.calls.get(layout, 0) + 1
         best = self.best()

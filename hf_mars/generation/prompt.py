@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from .config import config_value, text_config
 from .plan import device_constant, positions, to_device
 
 
@@ -34,7 +33,7 @@ class Prompt:
             self.pos = (attn.long().cumsum(-1) - 1).masked_fill(attn == 0, 0)
         # learned absolute positions (GPT-2 / OPT) index past their table there: only tokens past max_new read
         # those columns, so their positions are clamped to the last one (the emitted tokens are unchanged)
-        limit = config_value(text_config(model.config), "max_position_embeddings")
+        limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         self.max_positions = limit if isinstance(limit, int) else None
         self.last_position = limit - 1 if self.max_positions and needed_positions > limit else None
         self.positions = positions(max_positions, dev)

@@ -188,12 +188,10 @@ class TreeDecoder(MARSDecoder):
                 self.tree_shape = None
             if layout == "plain":  # no masks: every step takes AR's one token, as plain greedy
                 self.shape.one_token = True
-        started = time.perf_counter()
         sequences = super().run(synced)
-        if record is not None:
-            rows = self.rows
-            record.observe(layout, sum(rows.emitted), sum(rows.forwards), max(rows.forwards),
-                           time.perf_counter() - started)
+        if record is not None and self.outputs.decode_started is not None:  # decode steps only (not the prefill)
+            record.observe(layout, self.outputs, max(self.rows.forwards) - 1,
+                           time.perf_counter() - self.outputs.decode_started)
         return sequences
 
     # ---------------------------------------------------------------- the chunk
@@ -308,7 +306,8 @@ class TreeDecoder(MARSDecoder):
 def _row_pattern(tree, uncached, group, left, width) -> list:
     """One row's chunk attention, flattened (width x width, 1 = may see): pads see themselves; committed tokens
     see the committed ones before them; a node sees the committed tokens and its path; mask j of a group sees the
-    committed tokens, its node's path and masks 0..j of its group. (A static shape repeats a few layouts: cached.)"""
+    committed tokens, its node's path and masks 0..j of its group. (Every step lays out one per row, and steps
+    repeat a few layouts: cached.)"""
     return list(_pattern(tuple(tree.parents), tuple(tree.grouped), uncached, group, left, width))
 
 
