@@ -424,6 +424,8 @@ def test_default_verify_follows_the_record_and_stays_greedy(peaky, monkeypatch):
         forwards[layout] = out.mars_forward_passes.tolist()
     chain = model.generate(**enc, mars_verify=True, mars_draft_tree="chain", **kw)
     assert forwards["chain"] == chain.mars_forward_passes.tolist()
+    tree = model.generate(**enc, mars_verify=True, mars_draft_tree="tree", **kw)  # the tree, every call
+    assert forwards["tree"] == tree.mars_forward_passes.tolist() and torch.equal(tree.sequences, greedy)
     emitted = out.mars_emitted_tokens.tolist()  # (the last call: plain)
     assert forwards["plain"] == emitted  # one token per forward
     record = policy_module.record_for(model, 2, "call")

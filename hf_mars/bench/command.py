@@ -53,7 +53,7 @@ def add_arguments(parser):
                         help="What a user would run instead, timed in the same run: prompt-lookup decoding (batch 1) and "
                              "plain generate with the static cache + torch.compile (warm-up compiles; none: skip).")
     parser.add_argument("--draft-trees", nargs="*", default=["auto", "chain"],
-                        help="Verify mode's mars_draft_tree settings, each benchmarked ('auto', 'chain', 'cost' or "
+                        help="Verify mode's mars_draft_tree settings, each benchmarked ('auto', 'chain', 'tree', 'cost' or "
                              "a shape like '2,1,1,1'; 'cost' rows also report the layouts chosen per step); the "
                              "table reports each one's tokens per forward, its step cost against "
                              "a 1-token step and the speed-up limit from the widths it forwarded.")

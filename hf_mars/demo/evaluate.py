@@ -90,7 +90,8 @@ def _per_task_tpf(examples, model, tokenizer, batch_size, progress, **gen_kwargs
             "per_task": per_task, "predictions": texts}
 
 
-def _mars_kwargs(threshold, block_size, cache="sliding", verify=False):
+def _mars_kwargs(threshold, block_size, cache="sliding", verify=False, draft_tree=None):
+    """``draft_tree``: verify's layout (None: the default 'auto', which picks one per call by measured speed)."""
     return {"mars": True, "mars_threshold": float(threshold), "mars_block_size": int(block_size),
-            "mars_cache": cache, "mars_verify": bool(verify)}
+            "mars_cache": cache, "mars_verify": bool(verify), **({"mars_draft_tree": draft_tree} if draft_tree else {})}
 

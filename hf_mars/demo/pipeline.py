@@ -270,7 +270,7 @@ def _evaluate(mars_model, tokenizer, ar_model, ar_tokenizer, eval_examples, args
             sweep[tau] = _per_task_tpf(eval_examples, mars_model, tokenizer, eval_bs, bar, **_mars_kwargs(tau, B))
         bar.set_postfix_str("verify")
         verify_res = _per_task_tpf(eval_examples, mars_model, tokenizer, eval_bs, bar,
-                                   **_mars_kwargs(args.verify_threshold, B, verify=True))
+                                   **_mars_kwargs(args.verify_threshold, B, verify=True, draft_tree="tree"))
 
     def hits(predictions):  # per-question correctness, for intervals and the paired test
         return [score(ex["task"], p, ex["messages"][1]["content"]) for ex, p in zip(eval_examples, predictions)]

@@ -218,7 +218,7 @@ def _modes(args, draft_vocab, thresholds=THRESHOLDS) -> dict:
     modes = {f"tau={tau:g}": _mars_kwargs(tau, args.block_size) for tau in thresholds}
     verify = _mars_kwargs(args.verify_threshold, args.block_size, verify=True)
     for tree in ("chain", "tree"):
-        shape = {"mars_draft_tree": "chain"} if tree == "chain" else {}
+        shape = {"mars_draft_tree": tree}
         modes[f"verify:{tree}"] = {**verify, **shape}
         modes[f"verify:{tree}+vocab"] = {**verify, **shape, "mars_draft_vocab": draft_vocab}
     return modes

@@ -22,7 +22,7 @@ DEFAULT_BLOCK_SIZE = 4  # the paper's default block size
 DEFAULT_CACHE_BLOCK = 16  # block-cache chunk; the paper's best is 16-32
 ACCEPTANCE_MODES = ("probability", "entropy", "margin")
 CACHE_MODES = ("sliding", "block", "block_trained")
-DRAFT_TREE_MODES = ("auto", "chain", "cost")  # besides a shape "k1,k2,...": see `parse_draft_tree`
+DRAFT_TREE_MODES = ("auto", "chain", "tree", "cost")  # besides a shape "k1,k2,...": see `parse_draft_tree`
 BOOL_FIELDS = ("verify", "use_last_mask", "compile_prefill", "guard_every_step", "plain_steps")
 
 
@@ -75,9 +75,10 @@ class MARSGenerationConfig:
         "Read the last mask's prediction too (B + 1 candidates). Default: on in verify mode (a wrong draft only "
         "costs its rejection), off in threshold mode (it costs accuracy there)."))
     draft_tree: str | None = _field(None, (
-        "Verify mode's drafts: 'auto' (default: where the call allows a tree, the tree or the chain, whichever "
-        "this process measured faster for the model and batch size; else the chain), 'chain' (one "
-        "draft per depth, new drafts only after all were accepted), 'cost' (drafts sized per step: each row's "
+        "Verify mode's drafts: 'auto' (default: where the call allows a tree, the tree, the chain or plain "
+        "one-token steps, whichever this process measured fastest for the model and batch size; else the chain), "
+        "'chain' (one draft per depth, new drafts only after all were accepted), 'tree' (one draft per depth and "
+        "masks after every likely end, every call), 'cost' (drafts sized per step: each row's "
         "layout (tree depth, branching, mask groups, or a plain 1-token step) chosen for the most expected tokens "
         "per second from the masks' probabilities and the measured cost of a step's width; the choice depends on "
         "timing, so it is opt-in) or a tree shape 'k1,k2,...' (depth d offers its mask's top-k_d tokens; masks "
@@ -222,7 +223,7 @@ def _build(cls, items: tuple, from_call: frozenset):
 
 
 def parse_draft_tree(value, max_depth: int | None = None):
-    """A draft-tree option in its one form: 'auto', 'chain', 'cost' or a shape string 'k1,k2,...' (from a string, a list
+    """A draft-tree option in its one form: 'auto', 'chain', 'tree', 'cost' or a shape string 'k1,k2,...' (from a string, a list
     or a tuple of ints >= 1, at most ``max_depth`` deep: mask d predicts depth d, and there are B - 1 masks, B with
     the last one)."""
     if value is None:
@@ -235,7 +236,7 @@ def parse_draft_tree(value, max_depth: int | None = None):
     except (TypeError, ValueError):
         shape = ()
     if not shape or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in shape):
-        raise ValueError(f"mars_draft_tree must be 'auto', 'chain', 'cost' or a shape like '2,1,1' (top-k per depth, "
+        raise ValueError(f"mars_draft_tree must be 'auto', 'chain', 'tree', 'cost' or a shape like '2,1,1' (top-k per depth, "
                          f"ints >= 1), got {value!r}.")
     if max_depth is not None and len(shape) > max_depth:
         raise ValueError(f"mars_draft_tree {value!r} is {len(shape)} deep, but this call has {max_depth} draft "

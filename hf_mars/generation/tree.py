@@ -126,9 +126,9 @@ class TreePlan:
 
 
 def shape_of(opts, max_drafts: int) -> tuple:
-    """The tree shape an option names ('auto': one candidate per depth, masks after every node: the measured
-    best on a CPU, see docs/generation.md; 'cost' starts from it, then `policy.DraftPolicy` lays out each step)."""
-    if opts.draft_tree in ("auto", "cost"):
+    """The tree shape an option names ('tree', and 'auto' when it takes a tree: one candidate per depth, masks
+    after every likely end; 'cost' starts from it, then `policy.DraftPolicy` lays out each step)."""
+    if opts.draft_tree in ("auto", "tree", "cost"):
         return (1,) * max_drafts
     return tuple(int(k) for k in opts.draft_tree.split(","))
 
