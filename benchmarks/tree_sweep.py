@@ -27,14 +27,14 @@ from hf_mars import enable_mars
 from hf_mars.bench.prompts import encode_prompts, load_prompts
 from hf_mars.bench.timing import measure_step_costs
 
-SHAPES = ("chain", "auto", "1,1,1", "2,1,1,1", "2,2,1,1", "3,2,1,1", "2,2,2,2")
+SHAPES = ("chain", "tree", "1,1,1", "2,1,1,1", "2,2,1,1", "3,2,1,1", "2,2,2,2")  # fixed layouts ("auto" picks one per call)
 
 
 def tree_width(shape: str, depth: int) -> int:
     """Columns of one tree step: the root, the nodes, a group of ``depth`` masks after the root and each node."""
     if shape == "chain":
         return 1 + 2 * depth
-    ks = [1] * depth if shape == "auto" else [int(k) for k in shape.split(",")]
+    ks = [1] * depth if shape == "tree" else [int(k) for k in shape.split(",")]
     nodes, level = 0, 1
     for k in ks:
         level *= k
