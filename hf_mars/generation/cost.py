@@ -102,24 +102,31 @@ def model_key(model) -> tuple:
     return (str(name), type(model).__name__, str(device), str(dtype))
 
 
+def per_model(registry: dict, key: tuple, model, make):
+    """``registry[key]``, made by ``make()`` on first use. ``key`` starts with `model_key`; an unnamed model's entry
+    goes with the model (its address may be reused by another). Callers hold their own lock where they need one."""
+    entry = registry.get(key)
+    if entry is None:
+        entry = registry[key] = make()
+        if key[0][0].startswith("<"):
+            try:
+                weakref.finalize(model, registry.pop, key, None)
+            except TypeError:  # (an object that takes no weak reference: kept for the process)
+                pass
+    return entry
+
+
 def costs_for(model, loop: str = "tree") -> StepCosts:
     """The process's table for this model / device / dtype and decoding loop (a tree step and a threshold step
-    of one width do different host work; made on first use, seeded from $HF_MARS_STEP_COSTS). An unnamed
-    model's table goes with the model (its address may be reused by another)."""
-    key = model_key(model) + (loop,)
+    of one width do different host work; made on first use, seeded from $HF_MARS_STEP_COSTS)."""
+
+    def make():
+        table = StepCosts()
+        path = os.environ.get(STEP_COSTS_ENV)
+        return seed_from_bench(table, path) if path else table
+
     with _TABLES_LOCK:
-        table = _TABLES.get(key)
-        if table is None:
-            table = _TABLES[key] = StepCosts()
-            if key[0].startswith("<"):
-                try:
-                    weakref.finalize(model, _TABLES.pop, key, None)
-                except TypeError:  # (an object that takes no weak reference: kept for the process)
-                    pass
-            path = os.environ.get(STEP_COSTS_ENV)
-            if path:
-                seed_from_bench(table, path)
-    return table
+        return per_model(_TABLES, model_key(model) + (loop,), model, make)
 
 
 def forget_all() -> None:

@@ -89,13 +89,14 @@ class MARSDecoder:
         cache drops what was not accepted (roll back) and the rows advance (commit)."""
         proposer = choose_layout(self)
         started = time.perf_counter()  # timed to the end of its one host sync (no sync added): the policy's cost
-        rows = self.rows
-        had_drafts = [bool(d) for d in rows.drafts]
+        rows, outputs = self.rows, self.outputs
+        had_drafts = [bool(d) for d in rows.drafts] if outputs.counting else None
         plan = proposer.plan(self)
         decision, kept = proposer.forward_and_accept(self, plan)
         accepted = [len(t) for t in decision.tokens]
-        self.outputs.record(decision, accepted, self.device)
-        self.outputs.count_drafted(plan.rows, had_drafts, accepted)
+        outputs.record(decision, accepted, self.device)
+        if outputs.counting:
+            outputs.count_drafted(plan.rows, had_drafts, accepted)
         finished = [plan.active[r] and (decision.stopped[r] or rows.emitted[r] + accepted[r] >= rows.limit[r])
                     for r in range(self.batch)]
         keep_cols = proposer.roll_back(self, plan, kept, accepted, finished)
@@ -105,9 +106,9 @@ class MARSDecoder:
             self.outputs.compactions += 1
         if self.clients.lagging is not None:
             self._check_lagging()
-        if plan.first:
-            self.outputs.decode_started = time.perf_counter()
-        elif self.policy is not None:
+        if plan.first and outputs.counting:
+            outputs.decode_started = time.perf_counter()
+        elif self.policy is not None and not plan.first:
             self.policy.observe_step(self, plan, time.perf_counter() - started, accepted)
         return any(rows.unfinished)
 

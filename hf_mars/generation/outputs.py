@@ -33,9 +33,11 @@ class Outputs:
         self.records = [] if (self.scores or self.logits) else None  # per step: (scores, logits, accepted per row)
         self.raw = None  # the step's slot logits before processing (for output_logits: `keep_raw`)
         self.compactions = 0  # times the cache's masked-out columns were compacted away
-        # verify: row-steps, those that started with drafts, and the tokens those emitted (`count_drafted`)
+        # verify's 'auto' (`tree.TreeDecoder.run` turns it on): row-steps, those that started with drafts, the tokens
+        # those emitted (`count_drafted`), and perf_counter() at the end of the first step (the prefill)
+        self.counting = False
         self.row_steps = self.drafted_steps = self.drafted_tokens = 0
-        self.decode_started = None  # perf_counter() at the end of the first step (the prefill)
+        self.decode_started = None
 
     def count_drafted(self, rows: list, had_drafts: list, accepted: list) -> None:
         """A step's rows: how many started with drafts and what those emitted. Tokens per drafted step are the

@@ -33,7 +33,6 @@ kept per model / device / dtype and batch size for the life of the process (`rec
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 EMA = 0.2  # the drafting steps' width, averaged
 # drafts accepted and predicted, averaged over ~1/RECORD steps; before the drafts have a record one accepted draft
@@ -337,9 +336,9 @@ def threshold_policy(dec):
 def choices_for(model, rows: int, loop: str = "tree") -> dict:
     """How often each layout was chosen for this model / device / dtype, loop and batch size in this process
     ({label: steps}); `hf-mars bench` reports it per batch size."""
-    from .cost import model_key
+    from .cost import model_key, per_model
 
-    return _CHOICES.setdefault((model_key(model), int(rows), loop), {})
+    return per_model(_CHOICES, (model_key(model), int(rows), loop), model, dict)
 
 
 # ---------------------------------------------------------------- 'auto': tree, chain or plain, by measured calls
@@ -424,17 +423,10 @@ def record_for(model, rows: int, loop: str = "tree"):
     """The process's `DraftRecord` (loop "tree"), `ThresholdRecord` ("chunk") or 'auto''s `CallRecord` ("call")
     for this model / device / dtype and batch size: the policies of successive calls share it, as they share the
     step costs."""
-    from .cost import model_key
+    from .cost import model_key, per_model
 
-    key = (model_key(model), int(rows), loop)
-    if key not in _RECORDS:
-        _RECORDS[key] = {"tree": DraftRecord, "chunk": ThresholdRecord, "call": CallRecord}[loop]()
-        if key[0][0].startswith("<"):  # an unnamed model's record goes with it (its address may be reused)
-            try:
-                weakref.finalize(model, _RECORDS.pop, key, None)
-            except TypeError:
-                pass
-    return _RECORDS[key]
+    make = {"tree": DraftRecord, "chunk": ThresholdRecord, "call": CallRecord}[loop]
+    return per_model(_RECORDS, (model_key(model), int(rows), loop), model, make)
 
 
 def _deepest_grouped(layouts):

@@ -188,6 +188,7 @@ class TreeDecoder(MARSDecoder):
                 self.tree_shape = None
             if layout == "plain":  # no masks: every step takes AR's one token, as plain greedy
                 self.shape.one_token = True
+            self.outputs.counting = True  # (what the record reads: `outputs.Outputs.count_drafted`)
         sequences = super().run(synced)
         if record is not None and self.outputs.decode_started is not None:  # decode steps only (not the prefill)
             record.observe(layout, self.outputs, max(self.rows.forwards) - 1,
