@@ -74,6 +74,65 @@ def test_demo_on_a_base_without_chat_template_runs_the_real_text_pipeline(plain_
     assert "perplexity" in (out / "mars-checkpoint" / "README.md").read_text()
 
 
+def test_demo_lora_rank_trains_adapters_and_writes_one_plain_checkpoint(plain_base, tmp_path):
+    """`--lora-rank`: MARS and SFT train LoRA adapters (peft), merged after training, so the checkpoint is a plain
+    one (no adapter files, the base's parameter names) and decoding is still exact."""
+    pytest.importorskip("peft")
+    from hf_mars.cli import main
+
+    out = tmp_path / "out"
+    assert main(["demo", "--base", str(plain_base), "--quick", "--steps", "2", "--max-new-tokens", "8", "--lora-rank",
+                 "4", "--learning-rate", "1e-2", "--output-dir", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["training"]["lora_rank"] == 4 and report["command"].endswith("--lora-rank 4")
+    assert all(v["identical_to_greedy"] for v in report["verify_modes"].values())
+    ckpt = out / "mars-checkpoint"
+    assert not (ckpt / "adapter_config.json").exists()
+    from safetensors import safe_open
+
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert names and not any("lora" in n or "base_layer" in n for n in names)
+    # the adapters did train: the merged weights moved off the base's
+    with safe_open(str(plain_base / "model.safetensors"), "pt") as f:
+        base = {n: f.get_tensor(n) for n in f.keys()}
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        moved = [n for n in names if n in base and "proj" in n and not torch.equal(f.get_tensor(n), base[n])]
+    assert moved
+
+
+def test_demo_lora_rank_is_checked_early(plain_base, tmp_path, monkeypatch, capsys):
+    from hf_mars.cli import main
+
+    def error(*argv):
+        assert main(["demo", "--quick", "--output-dir", str(tmp_path / "out"), *argv]) == 2
+        return capsys.readouterr().err
+
+    assert "--lora-rank must be >= 0" in error("--base", str(plain_base), "--lora-rank", "-1")
+    assert "pretrained base" in error("--lora-rank", "4")  # the tiny chat base trains in full
+    monkeypatch.setitem(__import__("sys").modules, "peft", None)  # as if not installed
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find_spec(name, *a))
+    assert "pip install peft" in error("--base", str(plain_base), "--lora-rank", "4")
+    assert not (tmp_path / "out" / "report.json").exists()
+
+
+find_spec = importlib.util.find_spec
+
+
+def test_tree_supported_reads_sliding_window_layers():
+    from types import SimpleNamespace
+
+    from hf_mars.demo.real import tree_supported
+
+    def model(layer_types):
+        config = SimpleNamespace(layer_types=layer_types)
+        config.get_text_config = lambda: config
+        return SimpleNamespace(config=config)
+
+    assert tree_supported(model(None)) and tree_supported(model(["full_attention"] * 2))
+    assert not tree_supported(model(["sliding_attention"] * 5 + ["full_attention"]))
+
+
 def test_named_base_without_its_package_is_one_clear_error(tmp_path, monkeypatch):
     from hf_mars import pretrained
 

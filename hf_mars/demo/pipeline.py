@@ -20,6 +20,7 @@ see ``examples/build_tiny_base.py``):
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
@@ -121,6 +122,9 @@ def add_arguments(parser) -> None:
                         "distilled continuation and per evaluated answer (default 48; 16 with --quick)")
     parser.add_argument("--train-embeddings", action="store_true", help="pretrained base only: also train the "
                         "(tied) embedding matrix, frozen by default (on Gemma 3 270M it is 168M of 268M parameters)")
+    parser.add_argument("--lora-rank", type=int, default=0, help="pretrained base only: train LoRA adapters of this "
+                        "rank on every linear layer (through peft; merged into the checkpoint after training) instead "
+                        "of a full fine-tune, for MARS and the SFT baseline alike. 0 (default): full fine-tune")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
@@ -142,6 +146,10 @@ def _resolve(args) -> None:
         raise ValueError(f"--verify-threshold must be in [0, 1], got {args.verify_threshold}.")
     if args.learning_rate is None:
         args.learning_rate = 1e-3
+    if getattr(args, "lora_rank", 0) < 0:
+        raise ValueError(f"--lora-rank must be >= 0, got {args.lora_rank}.")
+    if getattr(args, "lora_rank", 0) and importlib.util.find_spec("peft") is None:
+        raise ValueError("--lora-rank trains LoRA adapters with peft, which is not installed: pip install peft.")
     if args.timing_prompts > args.num_eval:
         args.timing_prompts = args.num_eval
 
@@ -176,6 +184,9 @@ def run(args) -> int:
     base = _base_folder(args.base)
     if not has_chat_template(base):  # a pretrained base: real text, self-distilled (hf_mars/demo/real.py)
         return _run_real(args, base)
+    if getattr(args, "lora_rank", 0):
+        raise ValueError("--lora-rank applies to a pretrained base (the real-text pipeline); the tiny base trains "
+                         "in full.")
     _resolve(args)
     t_start = time.time()
     import shutil

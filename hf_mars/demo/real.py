@@ -149,12 +149,27 @@ def _train(base, tokenizer, pairs, args, work: Path, mars: bool):
     extra = {"block_size": args.block_size, "ar_weight": 1.0} if mars else {}
     cls, trainer_cls = (MARSConfig, MARSTrainer) if mars else (SFTConfig, SFTTrainer)
     config = _train_config(cls, work / ("mars" if mars else "sft"), args, completion_only_loss=True, **extra)
-    trainer = trainer_cls(model=model, args=config, train_dataset=rows, processing_class=tokenizer)
+    trainer = trainer_cls(model=model, args=config, train_dataset=rows, processing_class=tokenizer,
+                          peft_config=lora_config(args))
     t0 = time.time()
     trainer.train()
-    model = trainer.model.eval()
+    model = trainer.model
+    if hasattr(model, "merge_and_unload"):  # LoRA: one plain checkpoint again, as the full fine-tune gives
+        model = model.merge_and_unload()
     model.get_input_embeddings().weight.requires_grad_(True)
-    return model, time.time() - t0
+    return model.eval(), time.time() - t0
+
+
+def lora_config(args):
+    """``--lora-rank``: LoRA adapters on every linear layer but the (tied) LM head, alpha = 2 x rank; None for a
+    full fine-tune. Why offered: a low-rank update moves the base less than a full fine-tune at the same learning
+    rate (held-out perplexity is the measure), and AdamW keeps state for the adapters only."""
+    rank = getattr(args, "lora_rank", 0)
+    if not rank:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
 
 
 def perplexity(model, tokenizer, texts, max_tokens: int = 128) -> float:
@@ -210,14 +225,22 @@ def _quality(base_model, mars_model, sft_model, tokenizer, data, args) -> dict:
             "greedy_agreement_mars_vs_base": agreement(mars_ids, base_ids), "greedy": mars_ids}
 
 
-def _modes(args, draft_vocab, thresholds=THRESHOLDS) -> dict:
-    """The decoding settings compared: each τ, and verify as a chain or a tree, each with and without the draft
-    vocabulary (``+vocab``)."""
+def tree_supported(model) -> bool:
+    """Whether verify can decode with a draft tree on this model's cache: not with sliding-window layers (Gemma 3
+    has five to each global one), whose cache cannot hold the gaps a tree's rejected branches leave
+    (`hf_mars.generation.tree.refusal`); there verify drafts a chain."""
+    config = model.config.get_text_config()
+    return "sliding_attention" not in (getattr(config, "layer_types", None) or ())
+
+
+def _modes(args, draft_vocab, thresholds=THRESHOLDS, tree: bool = True) -> dict:
+    """The decoding settings compared: each τ, and verify as a chain or (``tree``: where the model's cache allows
+    one) a tree, each with and without the draft vocabulary (``+vocab``)."""
     from hf_mars.demo.evaluate import _mars_kwargs
 
     modes = {f"tau={tau:g}": _mars_kwargs(tau, args.block_size) for tau in thresholds}
     verify = _mars_kwargs(args.verify_threshold, args.block_size, verify=True)
-    for tree in ("chain", "tree"):
+    for tree in ("chain", "tree") if tree else ("chain",):
         shape = {"mars_draft_tree": tree}
         modes[f"verify:{tree}"] = {**verify, **shape}
         modes[f"verify:{tree}+vocab"] = {**verify, **shape, "mars_draft_vocab": draft_vocab}
@@ -228,7 +251,7 @@ def _decoding(model, tokenizer, prompts, args, draft_vocab) -> dict:
     """Per mode: tokens per forward, share of tokens identical to plain greedy, and whether every answer is."""
     greedy, _ = _greedy_ids(model, tokenizer, prompts, args.max_new_tokens)
     out = {}
-    for name, kwargs in _modes(args, draft_vocab).items():
+    for name, kwargs in _modes(args, draft_vocab, tree=tree_supported(model)).items():
         ids, tpf = _greedy_ids(model, tokenizer, prompts, args.max_new_tokens, **kwargs)
         out[name] = {"tokens_per_forward": tpf, "agreement_with_greedy": agreement(ids, greedy),
                      "identical_to_greedy": ids == greedy}
@@ -245,12 +268,12 @@ def _timing(model, tokenizer, prompts, args, draft_vocab) -> dict:
 
     seconds = {}
     for bs in (1, 4):
-        runs = {"ar": {}, **_modes(args, draft_vocab, THRESHOLDS if bs == 1 else (0.9,))}
+        runs = {"ar": {}, **_modes(args, draft_vocab, THRESHOLDS if bs == 1 else (0.9,), tree_supported(model))}
         batches = _encode_batches(tokenizer, prompts, bs)
         seconds[str(bs)] = time_interleaved(model, batches, runs, args.timing_repeats,
                                             max_new_tokens=args.max_new_tokens)
     half = _bf16_copy(model)
-    runs = {"ar": {}, **{k: v for k, v in _modes(args, draft_vocab, ()).items()}}
+    runs = {"ar": {}, **_modes(args, draft_vocab, (), tree_supported(model))}
     seconds["1-bf16"] = time_interleaved(half, _encode_batches(tokenizer, prompts, 1), runs, args.timing_repeats,
                                          max_new_tokens=args.max_new_tokens)
     del half
@@ -322,7 +345,7 @@ def _report(args, base, quality, decoding, timing, data, costs, mars_s, sft_s) -
              "identical_to_greedy": decoding[f"tau={tau:g}"]["identical_to_greedy"],
              "speedup_vs_ar": speedup("1", f"tau={tau:g}")} for tau in THRESHOLDS]
     verify = {}
-    for mode in VERIFY_MODES:
+    for mode in (m for m in VERIFY_MODES if f"verify:{m}" in decoding):  # no tree where the cache allows none
         name, measured = f"verify:{mode}", decoding[f"verify:{mode}"]
         best = min(timing["1"][name], timing["1-bf16"][name])
         verify[mode] = {"accuracy": measured["agreement_with_greedy"], "tokens_per_forward": measured["tokens_per_forward"],
@@ -348,13 +371,14 @@ def _report(args, base, quality, decoding, timing, data, costs, mars_s, sft_s) -
                    "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
         "training": {"steps": args.steps, "batch_size": args.batch_size, "learning_rate": args.learning_rate,
                      "cut_fraction": args.cut_fraction, "train_embeddings": bool(args.train_embeddings),
-                     "examples": len(data["train"]), "distill_seconds": round(data["seconds"], 1),
+                     "lora_rank": int(getattr(args, "lora_rank", 0)), "examples": len(data["train"]), "distill_seconds": round(data["seconds"], 1),
                      "mars_seconds": round(mars_s, 1), "sft_seconds": round(sft_s, 1), "base": str(base)},
         "num_examples": len(data["held_prompts"]), "max_new_tokens": args.max_new_tokens,
         "task": "held-out openings of Python's language reference (pydoc_data.topics, held-out topics); accuracy "
                 "= share of tokens identical to this model's own greedy decoding",
         "device": f"CPU, {torch.get_num_threads()} threads",
-        "command": f"hf-mars demo --base {args.base}" + (" --quick" if args.quick else ""),
+        "command": f"hf-mars demo --base {args.base}" + (" --quick" if args.quick else "")
+                   + (f" --lora-rank {args.lora_rank}" if getattr(args, "lora_rank", 0) else ""),
         "description": (f"{Path(str(args.base)).name} fine-tuned with MARS by `hf-mars demo` on its own greedy "
                         f"continuations of real text. Held-out perplexity: base {ppl['base']:.2f}, MARS "
                         f"{ppl['mars']:.2f}, compute-matched SFT {ppl['sft']:.2f}."),
