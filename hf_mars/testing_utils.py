@@ -88,8 +88,7 @@ def tiny_qwen2_config(vocab_size: int, hidden_size: int = 64, num_layers: int = 
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position,
-        tie_word_embeddings=True,
-        **kwargs,
+        **{"tie_word_embeddings": True, **kwargs},
     )
     config._attn_implementation = attn_implementation
     return config

@@ -354,3 +354,36 @@ def test_model_card_survives_push_card_step(tmp_path):
     trainer.create_model_card(model_name="tiny-mars", dataset_name="local/words")
     card = (out / "README.md").read_text()
     assert "MARS" in card and "<|mask|>" in card
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_lora_trains_the_adapters_and_the_new_mask_row_where_it_can(tmp_path, tied):
+    """With a peft LoRA config the adapters train. Untied embeddings: so does the mask token's new row (peft's
+    ``trainable_token_indices``, set by the trainer), and no other row. Tied embeddings (peft would wrap the LM
+    head, which TRL's fused loss cannot read): the row stays at its initial value, with one warning."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig
+
+    tok = build_char_tokenizer()
+    model = tiny_qwen2(tok, seed=0, tie_word_embeddings=tied)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    if tied:
+        with pytest.warns(UserWarning, match="stays at its initial value"):
+            trainer = MARSTrainer(model, args=config(tmp_path, learning_rate=5e-2), train_dataset=prompt_completion(),
+                                  processing_class=tok, peft_config=lora)
+    else:
+        trainer = MARSTrainer(model, args=config(tmp_path, learning_rate=5e-2), train_dataset=prompt_completion(),
+                              processing_class=tok, peft_config=lora)
+    mask_id = trainer.mask_token_id
+    assert lora.trainable_token_indices == (None if tied else {"embed_tokens": [mask_id]})
+    initial_mask_row = trainer.model.get_input_embeddings().weight.detach()[mask_id].clone()
+    trainer.train()
+    merged = trainer.model.merge_and_unload()
+    emb = merged.get_input_embeddings().weight.detach()
+    old = before["model.embed_tokens.weight"]
+    assert torch.equal(emb[:old.shape[0]], old) and mask_id == old.shape[0]  # a new row; the others untouched
+    assert torch.equal(emb[mask_id], initial_mask_row) == tied  # the new row trained where it can
+    after = dict(merged.named_parameters())
+    q, up = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(after[q], before[q]) and torch.equal(after[up], before[up])

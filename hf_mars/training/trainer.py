@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+import warnings
+
 import torch
 from transformers import PreTrainedTokenizerBase, ProcessorMixin
 from trl import SFTTrainer
@@ -81,9 +83,22 @@ def _tokenizer_of(processing_class):
     raise TypeError("processing_class must be a PreTrainedTokenizerBase or a ProcessorMixin.")
 
 
-def _train_new_token_with_peft(peft_config, token_id: int) -> None:
-    """A LoRA adapter would otherwise leave the new mask embedding frozen at its initial value."""
+def _train_new_token_with_peft(peft_config, token_id: int, model) -> None:
+    """A LoRA adapter would otherwise leave the new mask embedding frozen at its initial value.
+
+    Not with tied input/output embeddings: peft then wraps the LM head too, and TRL's fused LM-head loss (which
+    MARSTrainer and SFTTrainer use) reads ``lm_head.bias``, which peft's wrapper does not carry, so the first step
+    would fail. There the row stays at its initial value, the mean embedding (``add_mask_token``): a vector no
+    other token has, which the adapted layers learn to read (one warning says so)."""
     if not hasattr(peft_config, "trainable_token_indices"):
+        return
+    if model.get_output_embeddings() is not None and \
+            model.get_output_embeddings().weight is model.get_input_embeddings().weight:
+        warnings.warn("MARSTrainer with a peft adapter: the new mask token's embedding row stays at its initial "
+                      "value (the mean embedding) - with tied input/output embeddings, peft's trainable tokens "
+                      "cannot be combined with TRL's fused LM-head loss. The adapted layers learn to read it. To "
+                      "train the row, add modules_to_save=['embed_tokens'] to the LoraConfig, or use a tokenizer "
+                      "that already has a mask token.", stacklevel=3)
         return
     indices = peft_config.trainable_token_indices
     if indices is None:
@@ -185,7 +200,7 @@ class MARSTrainer(SFTTrainer):
         vocab_before = len(tokenizer)
         self.mask_token_id = add_mask_token(model, tokenizer, args.mask_token)
         if peft_config is not None and len(tokenizer) > vocab_before:
-            _train_new_token_with_peft(peft_config, self.mask_token_id)
+            _train_new_token_with_peft(peft_config, self.mask_token_id, model)
         set_mars_metadata(model.config, block_size=int(args.block_size), mask_token_id=int(self.mask_token_id),
                           mask_token=tokenizer.convert_ids_to_tokens(self.mask_token_id), ar_weight=float(args.ar_weight))
         _check_architecture(model, args)
