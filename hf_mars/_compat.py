@@ -122,6 +122,62 @@ TESTED_TRANSFORMERS = ("5.17.0", "5.24.0")
 STREAM_ERROR_PREFIX = 'data: {"error": '
 
 
+# the private methods of transformers serve we call or override, with the parameters we rely on (leading ones)
+SERVE_SIGNATURES = {
+    ("utils", "BaseHandler", "__init__"): ["self", "model_manager", "generation_state"],
+    ("utils", "BaseHandler", "_resolve_model"): ["self", "body"],
+    ("utils", "BaseHandler", "_build_generation_config"): ["self", "body", "model_generation_config", "use_cb"],
+    ("utils", "BaseHandler", "get_processor_inputs_from_messages"): ["messages", "modality"],
+    ("chat_completion", "ChatCompletionHandler", "_streaming"): [
+        "self", "request_id", "model", "processor", "model_id", "inputs", "gen_config", "gen_manager"],
+    ("chat_completion", "ChatCompletionHandler", "_non_streaming"): [
+        "self", "request_id", "model", "processor", "model_id", "inputs", "gen_config", "gen_manager"],
+    ("completion", "CompletionHandler", "_streaming"): [
+        "self", "request_id", "model", "processor", "model_id", "inputs", "gen_config", "gen_manager", "suffix"],
+    ("completion", "CompletionHandler", "_non_streaming"): [
+        "self", "request_id", "model", "processor", "model_id", "inputs", "gen_config", "gen_manager", "suffix"],
+    ("response", "ResponseHandler", "_streaming"): [
+        "self", "request_id", "model", "processor", "model_id", "body", "inputs", "gen_config", "gen_manager"],
+    ("response", "ResponseHandler", "_non_streaming"): [
+        "self", "request_id", "model", "processor", "model_id", "body", "inputs", "gen_config", "gen_manager"],
+    ("response", "ResponseHandler", "_normalize_input"): ["body"],
+    ("response", "ResponseHandler", "_normalize_tools"): ["tools"],
+    ("model_manager", "ModelManager", "__init__"): None,  # keyword arguments: SERVE_MANAGER_ARGS
+}
+SERVE_MANAGER_ARGS = {"device", "dtype", "force_model", "model_timeout", "trust_remote_code"}
+SERVE_MANAGER_METHODS = ("_load_model", "load_model_and_processor", "process_model_name", "shutdown",
+                         "get_model_modality")
+
+
+def serve_contract_problems() -> list[str]:
+    """What of transformers serve's internals, as `hf-mars serve` uses them, the installed transformers lacks
+    (empty: all there). `hf-mars serve` refuses to start on a non-empty list, with the list, rather than fail on
+    the first request; `tests/test_serve_contract.py` asserts it empty on the tested versions."""
+    import importlib
+    import inspect
+
+    problems = []
+    for (module, cls_name, name), params in SERVE_SIGNATURES.items():
+        try:
+            cls = getattr(importlib.import_module(f"transformers.cli.serving.{module}"), cls_name)
+        except (ImportError, AttributeError) as e:
+            problems.append(f"transformers.cli.serving.{module}.{cls_name}: {e}")
+            continue
+        fn = getattr(cls, name, None)
+        got = None if fn is None else list(inspect.signature(fn).parameters)
+        if params is None:
+            params = sorted(SERVE_MANAGER_ARGS)
+            missing = None if got is None else sorted(SERVE_MANAGER_ARGS - set(got))
+            if got is None or missing:
+                problems.append(f"{cls_name}.{name} lacks {missing or params}")
+            gone = [m for m in SERVE_MANAGER_METHODS if not hasattr(cls, m)]
+            if gone:
+                problems.append(f"{cls_name} lacks {gone}")
+        elif got is None or got[:len(params)] != params:
+            problems.append(f"{cls_name}.{name}{tuple(params)} -> {got}")
+    return problems
+
+
 def untested_version() -> str | None:
     """A warning when the installed transformers is outside ``TESTED_TRANSFORMERS`` (None inside)."""
     import transformers
@@ -131,7 +187,7 @@ def untested_version() -> str | None:
     installed = Version(transformers.__version__)
     if low <= installed and installed.release[:2] <= high.release[:2]:
         return None
-    return (f"hf-mars serve is tested with transformers {TESTED_TRANSFORMERS[0]} to {TESTED_TRANSFORMERS[1][:4]}x; "
+    return (f"hf-mars serve is tested with transformers {TESTED_TRANSFORMERS[0]} to {TESTED_TRANSFORMERS[1].rsplit('.', 1)[0]}.x; "
             f"{installed} is installed: its serving internals may have moved (tests/test_serve_contract.py checks)")
 
 

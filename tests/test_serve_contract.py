@@ -21,51 +21,24 @@ def _params(fn):
 
 
 def test_handler_methods_we_call_or_override():
-    from transformers.cli.serving.chat_completion import ChatCompletionHandler
-    from transformers.cli.serving.completion import CompletionHandler
-    from transformers.cli.serving.response import ResponseHandler
-    from transformers.cli.serving.utils import BaseHandler
-
-    moved = []
-    expect = {
-        (BaseHandler, "__init__"): ["self", "model_manager", "generation_state"],
-        (BaseHandler, "_resolve_model"): ["self", "body"],
-        (BaseHandler, "_build_generation_config"): ["self", "body", "model_generation_config", "use_cb"],
-        (BaseHandler, "get_processor_inputs_from_messages"): ["messages", "modality"],
-        (ChatCompletionHandler, "_streaming"): ["self", "request_id", "model", "processor", "model_id", "inputs",
-                                                "gen_config", "gen_manager"],
-        (ChatCompletionHandler, "_non_streaming"): ["self", "request_id", "model", "processor", "model_id", "inputs",
-                                                    "gen_config", "gen_manager"],
-        (CompletionHandler, "_streaming"): ["self", "request_id", "model", "processor", "model_id", "inputs",
-                                            "gen_config", "gen_manager", "suffix"],
-        (CompletionHandler, "_non_streaming"): ["self", "request_id", "model", "processor", "model_id", "inputs",
-                                                "gen_config", "gen_manager", "suffix"],
-        (ResponseHandler, "_streaming"): ["self", "request_id", "model", "processor", "model_id", "body", "inputs",
-                                          "gen_config", "gen_manager"],
-        (ResponseHandler, "_non_streaming"): ["self", "request_id", "model", "processor", "model_id", "body",
-                                              "inputs", "gen_config", "gen_manager"],
-        (ResponseHandler, "_normalize_input"): ["body"],
-        (ResponseHandler, "_normalize_tools"): ["tools"],
-    }
-    for (cls, name), params in expect.items():
-        fn = getattr(cls, name, None)
-        if fn is None or _params(fn)[: len(params)] != params:
-            moved.append(f"{cls.__name__}.{name}{tuple(params)} -> {None if fn is None else _params(fn)}")
+    moved = tf.serve_contract_problems()
     assert not moved, "transformers serve moved what hf_mars/_compat.py uses:\n" + "\n".join(moved)
+    from transformers.cli.serving.utils import DirectStreamer, _StreamError  # noqa: F401 - stream_fail builds one
 
-
-def test_model_manager_and_streamer_internals():
-    from transformers.cli.serving.model_manager import ModelManager
-    from transformers.cli.serving.utils import DirectStreamer
-
-    assert {"force_model", "model_timeout", "trust_remote_code"} <= set(_params(ModelManager.__init__)), \
-        "ModelManager's constructor moved"
-    for name in ("_load_model", "load_model_and_processor", "process_model_name", "shutdown", "get_model_modality"):
-        assert hasattr(ModelManager, name), f"ModelManager.{name} is gone"
     assert issubclass(tf.generation_cancelled_error(), Exception)
-    from transformers.cli.serving.utils import _StreamError  # noqa: F401 - stream_fail builds one
-
     assert {"_enqueue", "put", "end", "cancel"} <= set(dir(DirectStreamer))
+
+
+def test_serve_refuses_to_start_where_transformers_serve_moved(monkeypatch, capsys):
+    """A transformers whose serve internals moved (5.25 rewrote them): one clear error naming what moved and the
+    versions to install, exit status 2, before any model is loaded - not a TypeError from deep inside."""
+    from hf_mars.cli import main
+
+    monkeypatch.setitem(tf.SERVE_SIGNATURES, ("utils", "BaseHandler", "_resolve_model"), ["self", "moved"])
+    monkeypatch.setattr(tf, "model_manager", lambda *a, **k: pytest.fail("loaded a model"))
+    assert main(["serve", "no/such/model"]) == 2
+    err = capsys.readouterr().err
+    assert "BaseHandler._resolve_model" in err and "pip install 'transformers>=5.17.0,<5.25'" in err, err
 
 
 def test_a_stream_error_is_written_as_we_rewrite_it():
