@@ -391,7 +391,7 @@ def test_auto_tries_every_layout_then_keeps_the_fastest_and_probes_the_others():
         layout = record.choose()
         seen.append(layout)
         record.observe(layout, _calls(speed[layout][0]), 10, 10 * speed[layout][1])
-    assert seen[0] == "tree" and all(seen.count(layout) == warm for layout in layouts)
+    assert seen[:3] == ["tree", "chain", "plain"] and all(seen.count(layout) == warm for layout in layouts)
     assert record.tokens_per_forward("tree") == pytest.approx(2.8) and record.tokens_per_forward("plain") == 1.0
     assert record.best() == "chain"  # 2.2 tokens per 2 ms, against the tree's 2.8 per 3 ms and plain's 1 per 1.2
     probed = []
@@ -407,6 +407,22 @@ def test_auto_tries_every_layout_then_keeps_the_fastest_and_probes_the_others():
     for _ in range(60):  # masks that stop paying (other text): the drafts accepted are pooled (recent calls weigh
         record.observe("chain", _calls(6, tokens_per_drafted_step=1), 10, 0.020)  # most): every layout falls
     assert record.best() == "plain"
+
+
+def test_auto_warm_up_drops_a_layout_one_call_showed_far_slower():
+    """Successive elimination: after one call each, a layout below CONTENTION x the best rate gets no more warm-up
+    calls, so a short process spends its few calls on the contenders (plain steps at 1 token per forward against
+    drafts at ~3, here)."""
+    record = policy_module.CallRecord()
+    speed = {"tree": (9, 0.003), "chain": (6, 0.0022), "plain": (0, 0.0025)}
+    seen = []
+    while record.best() is None:
+        layout = record.choose()
+        seen.append(layout)
+        record.observe(layout, _calls(speed[layout][0]), 10, 10 * speed[layout][1])
+    assert seen[:3] == ["tree", "chain", "plain"]  # each once, in that order
+    assert seen.count("plain") == 1 and seen.count("tree") == seen.count("chain") == policy_module.WARM_CALLS
+    assert record.best() == "chain" and len(seen) == 2 * policy_module.WARM_CALLS + 1  # 2.2 tok per 2.2 ms
 
 
 def test_default_verify_follows_the_record_and_stays_greedy(peaky, monkeypatch):

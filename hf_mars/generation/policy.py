@@ -342,8 +342,13 @@ def choices_for(model, rows: int, loop: str = "tree") -> dict:
 
 
 # ---------------------------------------------------------------- 'auto': tree, chain or plain, by measured calls
-CALL_LAYOUTS = ("tree", "chain", "plain")  # 'plain': one token per step (no masks), plain greedy's own steps
-WARM_CALLS = 3  # calls of each layout before the fastest is kept (the tree first, then in a shuffled order)
+CALL_LAYOUTS = ("tree", "chain", "plain")  # 'plain': one token per step (no masks), plain greedy's own steps; the
+# warm-up's order
+WARM_CALLS = 3  # calls of each layout still in contention before the fastest is kept
+# after one call each, a layout measured below this share of the best one's rate leaves the warm-up (successive
+# elimination): a short process should not spend its few calls confirming what one call showed (plain steps at
+# 1 token per forward against drafts at 2.7, say); this margin is about twice a single call's timing noise here
+CONTENTION = 0.75
 PROBE_CALLS = 32  # calls with the fastest layout before another is tried again (the load may have changed)
 STEP_DECAY = 0.7  # per call of a layout, the weight left to its earlier calls' seconds and steps
 POOL_DECAY = 0.98  # per call, the weight left to earlier calls' draft counts (about the last 50 calls count)
@@ -381,20 +386,28 @@ class CallRecord:
         seconds, steps = self.step_seconds[layout]
         return self.tokens_per_forward(layout) * steps / seconds
 
+    def warming(self) -> str | None:
+        """The layout the warm-up runs next (None: it is over): each layout once, in ``CALL_LAYOUTS`` order, then
+        those still in contention (within ``CONTENTION`` of the best measured rate) until each has WARM_CALLS."""
+        untried = [layout for layout in CALL_LAYOUTS if not self.calls.get(layout)]
+        if untried:
+            return untried[0]
+        top = max(self.rate(layout) for layout in CALL_LAYOUTS)
+        short = [layout for layout in CALL_LAYOUTS
+                 if self.calls[layout] < WARM_CALLS and self.rate(layout) >= CONTENTION * top]
+        return min(short, key=lambda layout: self.calls[layout]) if short else None
+
     def best(self) -> str | None:
-        if min(self.calls.get(layout, 0) for layout in CALL_LAYOUTS) < WARM_CALLS:
+        if self.warming() is not None:
             return None
         return max(CALL_LAYOUTS, key=self.rate)
 
     def choose(self) -> str:
-        """The layout of the next call: each WARM_CALLS times (the tree first, then in an order that does not
-        repeat with a cycle of prompts), then the fastest, and every PROBE_CALLS calls the one tried longest ago."""
-        best, done = self.best(), sum(self.calls.values())
+        """The layout of the next call: the warm-up's (`warming`), then the fastest, and every PROBE_CALLS calls
+        the one tried longest ago."""
+        best = self.best()
         if best is None:
-            if done == 0:
-                return "tree"
-            short = [layout for layout in CALL_LAYOUTS if self.calls.get(layout, 0) < WARM_CALLS]
-            return short[(done * 2654435761 >> 7) % len(short)]
+            return self.warming()
         if self.since_probe >= PROBE_CALLS:
             return min((layout for layout in CALL_LAYOUTS if layout != best), key=lambda l: self.last_call.get(l, -1))
         return best
