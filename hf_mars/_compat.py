@@ -142,40 +142,63 @@ SERVE_SIGNATURES = {
         "self", "request_id", "model", "processor", "model_id", "body", "inputs", "gen_config", "gen_manager"],
     ("response", "ResponseHandler", "_normalize_input"): ["body"],
     ("response", "ResponseHandler", "_normalize_tools"): ["tools"],
-    ("model_manager", "ModelManager", "__init__"): None,  # keyword arguments: SERVE_MANAGER_ARGS
 }
+# `model_manager` passes these keywords to ModelManager and reads these of its methods
 SERVE_MANAGER_ARGS = {"device", "dtype", "force_model", "model_timeout", "trust_remote_code"}
 SERVE_MANAGER_METHODS = ("_load_model", "load_model_and_processor", "process_model_name", "shutdown",
                          "get_model_modality")
 
 
+def _serving_attr(module: str, name: str):
+    import importlib
+
+    return getattr(importlib.import_module(f"transformers.cli.serving.{module}"), name)
+
+
 def serve_contract_problems() -> list[str]:
     """What of transformers serve's internals, as `hf-mars serve` uses them, the installed transformers lacks
-    (empty: all there). `hf-mars serve` refuses to start on a non-empty list, with the list, rather than fail on
-    the first request; `tests/test_serve_contract.py` asserts it empty on the tested versions."""
-    import importlib
+    (empty: all there). `tests/test_serve_contract.py` asserts it empty on the tested versions; `hf-mars serve`
+    refuses to start on a non-empty list (`serve_refusal`) rather than fail on the first request."""
     import inspect
 
     problems = []
     for (module, cls_name, name), params in SERVE_SIGNATURES.items():
         try:
-            cls = getattr(importlib.import_module(f"transformers.cli.serving.{module}"), cls_name)
+            fn = getattr(_serving_attr(module, cls_name), name, None)
         except (ImportError, AttributeError) as e:
             problems.append(f"transformers.cli.serving.{module}.{cls_name}: {e}")
             continue
-        fn = getattr(cls, name, None)
         got = None if fn is None else list(inspect.signature(fn).parameters)
-        if params is None:
-            params = sorted(SERVE_MANAGER_ARGS)
-            missing = None if got is None else sorted(SERVE_MANAGER_ARGS - set(got))
-            if got is None or missing:
-                problems.append(f"{cls_name}.{name} lacks {missing or params}")
-            gone = [m for m in SERVE_MANAGER_METHODS if not hasattr(cls, m)]
-            if gone:
-                problems.append(f"{cls_name} lacks {gone}")
-        elif got is None or got[:len(params)] != params:
+        if got is None or got[:len(params)] != params:
             problems.append(f"{cls_name}.{name}{tuple(params)} -> {got}")
-    return problems
+    try:
+        manager = _serving_attr("model_manager", "ModelManager")
+    except (ImportError, AttributeError) as e:
+        return problems + [f"transformers.cli.serving.model_manager.ModelManager: {e}"]
+    missing = sorted(SERVE_MANAGER_ARGS - set(inspect.signature(manager.__init__).parameters))
+    gone = [m for m in SERVE_MANAGER_METHODS if not hasattr(manager, m)]
+    return problems + ([f"ModelManager.__init__ lacks {missing}"] if missing else []) \
+        + ([f"ModelManager lacks {gone}"] if gone else [])
+
+
+def _tested_range() -> str:
+    return f"{TESTED_TRANSFORMERS[0]} to {TESTED_TRANSFORMERS[1].rsplit('.', 1)[0]}.x"
+
+
+def serve_refusal() -> str | None:
+    """Why `hf-mars serve` cannot run on the installed transformers (None: it can): what moved and what to
+    install."""
+    moved = serve_contract_problems()
+    if not moved:
+        return None
+    import transformers
+
+    major, minor = TESTED_TRANSFORMERS[1].split(".")[:2]
+    return (f"hf-mars serve builds on transformers serve's internals, which transformers {transformers.__version__} "
+            f"changed ({'; '.join(moved[:3])}{'; ...' if len(moved) > 3 else ''}). It is tested with transformers "
+            f"{_tested_range()}: pip install 'transformers>={TESTED_TRANSFORMERS[0]},<{major}.{int(minor) + 1}' "
+            "(the serve extra pins it). MARS decoding itself (generate(..., mars=True)) and training are not "
+            "affected.")
 
 
 def untested_version() -> str | None:
@@ -187,7 +210,7 @@ def untested_version() -> str | None:
     installed = Version(transformers.__version__)
     if low <= installed and installed.release[:2] <= high.release[:2]:
         return None
-    return (f"hf-mars serve is tested with transformers {TESTED_TRANSFORMERS[0]} to {TESTED_TRANSFORMERS[1].rsplit('.', 1)[0]}.x; "
+    return (f"hf-mars serve is tested with transformers {_tested_range()}; "
             f"{installed} is installed: its serving internals may have moved (tests/test_serve_contract.py checks)")
 
 

@@ -111,26 +111,30 @@ def test_demo_lora_rank_is_checked_early(plain_base, tmp_path, monkeypatch, caps
     assert "--lora-rank must be >= 0" in error("--base", str(plain_base), "--lora-rank", "-1")
     assert "pretrained base" in error("--lora-rank", "4")  # the tiny chat base trains in full
     monkeypatch.setitem(__import__("sys").modules, "peft", None)  # as if not installed
+    find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find_spec(name, *a))
     assert "pip install peft" in error("--base", str(plain_base), "--lora-rank", "4")
     assert not (tmp_path / "out" / "report.json").exists()
 
 
-find_spec = importlib.util.find_spec
-
 
 def test_tree_supported_reads_sliding_window_layers():
+    """The demo asks for a tree where the model's default cache has no sliding-window layers - the rule the
+    decoder refuses a tree by - whether the config lists layer types (Gemma 3) or only a window (Mistral)."""
     from types import SimpleNamespace
 
-    from hf_mars.demo.real import tree_supported
+    from transformers import Gemma3TextConfig, MistralConfig
 
-    def model(layer_types):
-        config = SimpleNamespace(layer_types=layer_types)
-        config.get_text_config = lambda: config
+    from hf_mars.demo.real import tree_supported
+    from hf_mars.testing_utils import tiny_qwen2_config
+
+    def model(config):
         return SimpleNamespace(config=config)
 
-    assert tree_supported(model(None)) and tree_supported(model(["full_attention"] * 2))
-    assert not tree_supported(model(["sliding_attention"] * 5 + ["full_attention"]))
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+    assert tree_supported(model(tiny_qwen2_config(64))) and tree_supported(model(MistralConfig(**small, sliding_window=None)))
+    assert not tree_supported(model(Gemma3TextConfig(**small, num_hidden_layers=6, head_dim=16, sliding_window=8)))
+    assert not tree_supported(model(MistralConfig(**small, sliding_window=8)))
 
 
 def test_named_base_without_its_package_is_one_clear_error(tmp_path, monkeypatch):

@@ -226,11 +226,14 @@ def _quality(base_model, mars_model, sft_model, tokenizer, data, args) -> dict:
 
 
 def tree_supported(model) -> bool:
-    """Whether verify can decode with a draft tree on this model's cache: not with sliding-window layers (Gemma 3
-    has five to each global one), whose cache cannot hold the gaps a tree's rejected branches leave
-    (`hf_mars.generation.tree.refusal`); there verify drafts a chain."""
-    config = model.config.get_text_config()
-    return "sliding_attention" not in (getattr(config, "layer_types", None) or ())
+    """Whether verify can decode with a draft tree on this model's default cache: not with sliding-window layers
+    (Gemma 3 has five to each global one), whose cache cannot hold the gaps a tree's rejected branches leave
+    (`hf_mars.generation.tree.refusal`, the same rule); there verify drafts a chain."""
+    from transformers import DynamicCache
+
+    from hf_mars.generation.cache import has_sliding_layers
+
+    return not has_sliding_layers(DynamicCache(config=model.config))
 
 
 def _modes(args, draft_vocab, thresholds=THRESHOLDS, tree: bool = True) -> dict:
@@ -266,14 +269,14 @@ def _timing(model, tokenizer, prompts, args, draft_vocab) -> dict:
     def _encode_batches(tokenizer, prompts, size):  # with the tokenizer's BOS, as the decoding runs encode them
         return [tokenizer(prompts[i:i + size], return_tensors="pt", padding=True) for i in range(0, len(prompts), size)]
 
-    seconds = {}
+    seconds, tree = {}, tree_supported(model)
     for bs in (1, 4):
-        runs = {"ar": {}, **_modes(args, draft_vocab, THRESHOLDS if bs == 1 else (0.9,), tree_supported(model))}
+        runs = {"ar": {}, **_modes(args, draft_vocab, THRESHOLDS if bs == 1 else (0.9,), tree)}
         batches = _encode_batches(tokenizer, prompts, bs)
         seconds[str(bs)] = time_interleaved(model, batches, runs, args.timing_repeats,
                                             max_new_tokens=args.max_new_tokens)
     half = _bf16_copy(model)
-    runs = {"ar": {}, **_modes(args, draft_vocab, (), tree_supported(model))}
+    runs = {"ar": {}, **_modes(args, draft_vocab, (), tree)}
     seconds["1-bf16"] = time_interleaved(half, _encode_batches(tokenizer, prompts, 1), runs, args.timing_repeats,
                                          max_new_tokens=args.max_new_tokens)
     del half

@@ -63,6 +63,13 @@ def check_rollback(model, cache) -> None:
             "back); models with linear-attention or state-space layers are not supported.")
 
 
+def has_sliding_layers(cache) -> bool:
+    """Whether ``cache`` holds sliding-window layers: then batch rows move in lockstep and a draft tree cannot run
+    (`tree.refusal`). ``has_sliding_layers(DynamicCache(config=model.config))`` answers it for a model's default
+    cache before any call."""
+    return DynamicSlidingWindowLayer in {type(layer) for layer in getattr(cache, "layers", [])}
+
+
 class RollbackCache:
     """The cache, its real length and the 2D mask over its columns (None while every column is real)."""
 
@@ -73,7 +80,7 @@ class RollbackCache:
         kinds = {type(layer) for layer in layers}
         # sliding-window layers count cache columns, so a masked-out column inside the window would shorten it:
         # they keep their past until each crop (rollback), and batch rows move in lockstep (no ragged columns)
-        self.sliding = DynamicSlidingWindowLayer in kinds
+        self.sliding = has_sliding_layers(cache)
         if self.sliding:
             record_sliding_past(cache)
         # a static cache holds a fixed number of columns: it must fit the prompt, the new tokens and one step's

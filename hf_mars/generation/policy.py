@@ -405,9 +405,10 @@ class CallRecord:
     def choose(self) -> str:
         """The layout of the next call: the warm-up's (`warming`), then the fastest, and every PROBE_CALLS calls
         the one tried longest ago."""
-        best = self.best()
-        if best is None:
-            return self.warming()
+        warm = self.warming()
+        if warm is not None:
+            return warm
+        best = max(CALL_LAYOUTS, key=self.rate)
         if self.since_probe >= PROBE_CALLS:
             return min((layout for layout in CALL_LAYOUTS if layout != best), key=lambda l: self.last_call.get(l, -1))
         return best

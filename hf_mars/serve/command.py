@@ -104,18 +104,11 @@ def run(args):
     missing = [m for m in ("fastapi", "uvicorn", "openai", "prometheus_client") if importlib.util.find_spec(m) is None]
     if missing:
         raise ValueError(f"hf-mars serve needs {', '.join(missing)}: pip install 'hf-mars[serve]'")
-    from .._compat import TESTED_TRANSFORMERS, serve_contract_problems
+    from .._compat import serve_refusal
 
-    moved = serve_contract_problems()
-    if moved:  # before loading anything: a clear refusal, not a TypeError on start-up or on the first request
-        import transformers
-
-        raise ValueError(
-            f"hf-mars serve builds on transformers serve's internals, which transformers {transformers.__version__} "
-            f"changed ({'; '.join(moved[:3])}{'; ...' if len(moved) > 3 else ''}). It is tested with transformers "
-            f"{TESTED_TRANSFORMERS[0]} to {TESTED_TRANSFORMERS[1].rsplit('.', 1)[0]}.x: pip install 'transformers>="
-            f"{TESTED_TRANSFORMERS[0]},<{_next_minor(TESTED_TRANSFORMERS[1])}' (the serve extra pins it). MARS "
-            "decoding itself (generate(..., mars=True)) and training are not affected.")
+    refusal = serve_refusal()  # before loading anything: a clear refusal, not a TypeError on start-up or a request
+    if refusal:
+        raise ValueError(refusal)
     import uvicorn
 
     from .app import build_app, served_name
@@ -182,7 +175,3 @@ def clean_exit_on_signals(server):
         for sig, old in previous.items():
             signal.signal(sig, old)
 
-
-def _next_minor(version: str) -> str:
-    major, minor = version.split(".")[:2]
-    return f"{major}.{int(minor) + 1}"
