@@ -1,9 +1,10 @@
 """MARS through `transformers serve`: a real server process on loopback, the official `openai` client.
 
 The request's `generation_config` (a JSON string in the body, as transformers serve reads it) switches MARS on
-with `"mars": true`; without it the checkpoint answers as the AR model. The server process is `transformers serve`
-with the `hf_mars.generation.stats` logger sent to a file at DEBUG (one record per MARS call, written by the
-checkpoint's custom_generate), so the test sees the forwards the server ran.
+with `"mars": true`; without it the checkpoint answers as the AR model. The server is `transformers serve` with the
+`hf_mars.generation.stats` logger sent to a file at DEBUG (one record per MARS call, written by the checkpoint's
+custom_generate), so the test sees the forwards the server ran. The logger is set up by a `sitecustomize` module
+on the server's path, so it also holds in the model's own process (transformers 5.25 spawns one).
 """
 
 import json
@@ -20,18 +21,17 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 
-# `transformers serve`, with MARS's per-call statistics logger (see hf_mars.generation.api) written to argv[1]
-_SERVE_WITH_STATS = """
-import logging, sys
-from transformers.cli.transformers import main
-handler = logging.FileHandler(sys.argv.pop(1), encoding="utf-8")
+# run at the start of every Python process of the server: MARS's per-call statistics logger (see
+# hf_mars.generation.api) appended to the file $MARS_TEST_STATS
+_STATS_SITECUSTOMIZE = """
+import logging, os
+handler = logging.FileHandler(os.environ["MARS_TEST_STATS"], encoding="utf-8")
 handler.setFormatter(logging.Formatter("%(message)s"))
 stats = logging.getLogger("hf_mars.generation.stats")
 stats.addHandler(handler)
 stats.setLevel(logging.DEBUG)
-sys.argv[0] = "transformers"
-sys.exit(main())
 """
+_SERVE = "import sys; from transformers.cli.transformers import main; sys.argv[0] = 'transformers'; sys.exit(main())"
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +49,14 @@ def server(tmp_path_factory):
     ckpt = save_for_hub(model, tok, tmp / "ckpt")
     port = free_port()
     stats = tmp / "stats.jsonl"
+    site = tmp / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_STATS_SITECUSTOMIZE)
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp / "modules"), OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false")
+               TOKENIZERS_PARALLELISM="false", MARS_TEST_STATS=str(stats), PYTHONPATH=path)
     args = ["serve", str(ckpt), "--trust-remote-code", "--host", "127.0.0.1", "--port", str(port)]
-    cmd = [sys.executable, "-c", _SERVE_WITH_STATS, str(stats), *args]
+    cmd = [sys.executable, "-c", _SERVE, *args]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
     deadline = time.time() + 90

@@ -6,7 +6,7 @@ MARS requests decode in flight: a request joins the running batch at the next st
 per forward. Plain and seeded requests run alone, one `generate` call each, between steps.
 `--lossless` decodes every rung in verify mode (output equal to greedy). Request parsing, chat templates, tool and
 reasoning parsers and the response objects are `transformers serve`'s handlers (reached through
-`hf_mars/_compat.py`, the one module touching private transformers APIs); the rest is ours:
+`hf_mars/serve/_compat.py`, the one module touching transformers serve's private APIs); the rest is ours:
 
 - `ladder.py`: the τ ladder; `metrics.py`: Prometheus metrics with bounded labels;
 - `requests.py`: strict request schemas and the server's limits, applied before a request is queued;

@@ -16,7 +16,7 @@ import os
 import uuid
 from contextlib import asynccontextmanager
 
-from .. import _compat as tf
+from . import _compat as tf
 from .batching import MARSBatchingManager
 from .errors import HTTPError
 from .ladder import TauLadder
@@ -261,7 +261,7 @@ def _install_error_handlers(app):
         return openai_error(err.status, err.message, err.code, err.param)
 
 
-def _add_admin_routes(app, manager, models, model: str, name: str, served_names: set):
+def _add_admin_routes(app, manager, served, name: str, served_names: set):
     """`--enable-admin`: reload or unload the served model (on the decode thread, between batches)."""
     from fastapi import Request
     from fastapi.responses import JSONResponse
@@ -271,12 +271,12 @@ def _add_admin_routes(app, manager, models, model: str, name: str, served_names:
         body = json.loads(await request.body() or b"{}")
         if not isinstance(body, dict) or body.get("model") not in served_names:
             raise HTTPError(404, f"This server serves {name!r} only.", "model_not_found", "model")
-        await manager.async_submit(lambda: models.load_model_and_processor(models.process_model_name(model)))
+        await manager.async_submit(served.load)
         return JSONResponse({"status": "ok", "model": name})
 
     @app.post("/reset")
     async def _reset():
-        await manager.async_submit(models.shutdown)  # never under a running generate
+        await manager.async_submit(served.unload)  # never under a running generate
         return JSONResponse({"status": "ok"})
 
 
@@ -327,14 +327,13 @@ def build_app(model: str, ladder: TauLadder, *, served_model_name: str | None = 
     metrics = Metrics()
     manager = MARSBatchingManager(ladder, lossless=lossless, max_batch_size=max_batch_size, max_queue=max_queue,
                                   mars_options=mars_options, metrics=metrics)
-    models = tf.model_manager(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
-                              prepare=enable_mars)
+    served = tf.ServedModel(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
+                            prepare=enable_mars)
     admission = Admission(served_names={name, model}, max_prompt_tokens=max_prompt_tokens,
                           max_tokens_limit=max_tokens_limit, template_timeout=template_timeout,
                           trust_request_chat_template=trust_request_chat_template)
     state = _State(manager)
-    handlers = {route: cls(model_manager=models, generation_state=state, served_name=name, admit=admission)
-                for route, cls in tf.handler_classes().items()}
+    handlers = tf.build_handlers(served, state, served_name=name, admit=admission)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -360,5 +359,5 @@ def build_app(model: str, ladder: TauLadder, *, served_model_name: str | None = 
 
     _add_read_routes(app, name, admission.served_names, metrics)
     if enable_admin:
-        _add_admin_routes(app, manager, models, model, name, admission.served_names)
+        _add_admin_routes(app, manager, served, name, admission.served_names)
     return app

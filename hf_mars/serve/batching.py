@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import _compat as tf
+from . import _compat as tf
 from ..generation import DEFAULT_VERIFY_THRESHOLD
 from ..generation.engine import MARSEngine
 from .errors import HTTPError

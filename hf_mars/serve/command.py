@@ -104,7 +104,7 @@ def run(args):
     missing = [m for m in ("fastapi", "uvicorn", "openai", "prometheus_client") if importlib.util.find_spec(m) is None]
     if missing:
         raise ValueError(f"hf-mars serve needs {', '.join(missing)}: pip install 'hf-mars[serve]'")
-    from .._compat import serve_refusal
+    from ._compat import serve_refusal
 
     refusal = serve_refusal()  # before loading anything: a clear refusal, not a TypeError on start-up or a request
     if refusal:
@@ -133,7 +133,7 @@ def run(args):
                     public_metrics=args.public_metrics, max_body_bytes=args.max_body_bytes,
                     read_timeout=args.read_timeout, template_timeout=args.template_timeout,
                     trust_request_chat_template=args.trust_request_chat_template)
-    from .._compat import untested_version
+    from ._compat import untested_version
 
     if untested_version():
         print(f"warning: {untested_version()}", flush=True)
