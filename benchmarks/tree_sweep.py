@@ -11,6 +11,16 @@ over plain decoding with no loop overhead.
 
     hf-mars demo --output-dir runs/demo
     python benchmarks/tree_sweep.py --model runs/demo/mars-checkpoint --output benchmarks/tree_sweep.json
+
+``--short-process LAYOUT`` times something else: verify's default 'auto' measures layouts per call
+(`hf_mars.generation.policy.CallRecord`), and in a short process its warm-up is most of its life. One plain warm-up
+call, then ``--passes`` passes over the prompts at the first batch size with ``mars_draft_tree=LAYOUT``, timed per
+pass, and the layouts 'auto' chose; run each layout in a fresh process of its own:
+
+    for layout in auto chain tree; do
+        taskset -c 0 python benchmarks/tree_sweep.py --model runs/demo/mars-checkpoint --short-process $layout \
+            --batch-sizes 16 --passes 3
+    done
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_mars import enable_mars
 from hf_mars.bench.prompts import encode_prompts, load_prompts
 from hf_mars.bench.timing import measure_step_costs
+from hf_mars.generation.policy import choices_for
 
 SHAPES = ("chain", "tree", "1,1,1", "2,1,1,1", "2,2,1,1", "3,2,1,1", "2,2,2,2")  # fixed layouts ("auto" picks one per call)
 
@@ -123,6 +134,29 @@ def run(args):
     return 0
 
 
+def short_process(args):
+    """``--short-process``: a fresh process's few calls with one layout (see the module's docstring)."""
+    torch.set_num_threads(args.threads)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    model = enable_mars(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval())
+    b = args.batch_sizes[0]
+    calls = batches(tok, encode_prompts(tok, [r["prompt"] for r in load_prompts(limit=args.num_prompts)]), b)
+    kw = dict(mars=True, mars_verify=True, max_new_tokens=args.max_new_tokens, do_sample=False,
+              mars_draft_tree=args.short_process)
+    with torch.inference_mode():  # a user's first call pays the process's start-up; not what is timed here
+        model.generate(input_ids=calls[0][0], attention_mask=calls[0][1], max_new_tokens=8, do_sample=False)
+    times = []
+    for _ in range(args.passes):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for x, am in calls:
+                model.generate(input_ids=x, attention_mask=am, **kw)
+        times.append(round(time.perf_counter() - t0, 3))
+    print(args.short_process, b, "seconds per pass:", times, "total:", round(sum(times), 3),
+          "layouts chosen (calls):", dict(choices_for(model, b, "call")))
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
@@ -134,7 +168,11 @@ def main(argv=None):
     p.add_argument("--cost-repeats", type=int, default=30)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--output", default=None)
-    return run(p.parse_args(argv))
+    p.add_argument("--short-process", metavar="LAYOUT", default=None,
+                   help="time a fresh process's few calls with this mars_draft_tree instead (see above)")
+    p.add_argument("--passes", type=int, default=3, help="--short-process: passes over the prompts")
+    args = p.parse_args(argv)
+    return short_process(args) if args.short_process else run(args)
 
 
 if __name__ == "__main__":
