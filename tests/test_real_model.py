@@ -182,3 +182,65 @@ def test_gemma3_270m_mars_steps_then_verify_is_greedy():
         greedy = model.generate(**enc, max_new_tokens=12, do_sample=False)
         for kw in ({"mars_threshold": 1.0}, {"mars_verify": True}, {"mars_verify": True, "mars_draft_vocab": vocab}):
             assert torch.equal(model.generate(**enc, max_new_tokens=12, do_sample=False, mars=True, **kw), greedy), kw
+
+
+def _rows_file(tmp_path, rows, name="data.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_demo_trains_on_a_users_dataset_and_holds_out_its_last_rows(plain_base, tmp_path):
+    """`--dataset`: the real-model pipeline on the user's rows (prompt-completion strings here) instead of the
+    self-distilled default; the last --num-eval rows are the held-out prompts; decoding stays exact."""
+    from hf_mars.cli import main
+
+    rows = [{"prompt": f"Copy: {w}", "completion": f" {w}"} for w in ("abc", "bca", "cab", "aab", "bba", "ccb",
+                                                                      "acb", "bac", "cba", "zzz")]
+    data = _rows_file(tmp_path, rows)
+    out = tmp_path / "out"
+    assert main(["demo", "--base", str(plain_base), "--quick", "--steps", "2", "--max-new-tokens", "8",
+                 "--num-eval", "2", "--dataset", str(data), "--output-dir", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["training"]["data"] == f"--dataset {data}" and report["command"].endswith(f"--dataset {data}")
+    assert report["num_examples"] == 2 and str(data) in report["task"]
+    assert all(v["identical_to_greedy"] for v in report["verify_modes"].values())
+    assert next(r for r in report["mars"] if r["threshold"] == 1.0)["identical_to_greedy"]
+
+
+def test_every_trl_format_becomes_a_prompt_and_a_completion(tmp_path):
+    from types import SimpleNamespace
+
+    from hf_mars.demo import user_data
+    from hf_mars.testing_utils import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    text = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen tail"
+    assert user_data.as_prompt_completion({"text": text}, tok) == (text[:-5], " tail")
+    assert user_data.as_prompt_completion({"prompt": "Copy: ab", "completion": " ab"}, tok) == ("Copy: ab", " ab")
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    prompt, completion = user_data.as_prompt_completion({"messages": chat}, tok)  # the tiny tokenizer's template
+    assert prompt.endswith("assistant\n") and "hi" in prompt and completion.startswith("yo")
+    assert user_data.as_prompt_completion({"prompt": chat[:1], "completion": chat[1:]}, tok) == (prompt, completion)
+    prompt_ids, completion_ids = user_data.encode("Copy: ab", " ab", tok)
+    assert completion_ids[-1] == tok.eos_token_id and prompt_ids == tok("Copy: ab")["input_ids"]
+
+    with pytest.raises(ValueError, match="none of TRL's formats"):
+        user_data.as_prompt_completion({"question": "q", "answer": "a"}, tok)
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        user_data.as_prompt_completion({"messages": chat}, tok)
+
+    args = SimpleNamespace(dataset=str(_rows_file(tmp_path, [{"text": text}] * 3)), num_eval=3, steps=2, batch_size=2)
+    with pytest.raises(ValueError, match="more than --num-eval"):
+        user_data.data(tok, args, lambda pairs: [])
+    split = tmp_path / "split"  # a dataset with a test split: that split is held out, every train row trains
+    from datasets import Dataset, DatasetDict
+
+    DatasetDict({"train": Dataset.from_list([{"text": text}] * 4),
+                 "test": Dataset.from_list([{"text": "held " + text}])}).save_to_disk(str(split))
+    args.dataset, args.num_eval = str(split), 1
+    got = user_data.data(tok, args, lambda pairs: [len(pairs)])
+    assert got["held_prompts"][0].startswith("held ") and got["draft_vocab"] == [2] and len(got["train"]) == 2
+    with pytest.raises(ValueError, match="could not be loaded"):
+        user_data.load(str(tmp_path / "no-such-dataset"))

@@ -125,6 +125,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--lora-rank", type=int, default=0, help="pretrained base only: train LoRA adapters of this "
                         "rank on every linear layer (through peft; merged into the checkpoint after training) instead "
                         "of a full fine-tune, for MARS and the SFT baseline alike. 0 (default): full fine-tune")
+    parser.add_argument("--dataset", default=None, help="the real-model pipeline on your data instead of the "
+                        "self-distilled default: a data file (json, jsonl, csv, parquet, txt), a save_to_disk folder "
+                        "or a Hub dataset id, in any of TRL's formats (text; prompt + completion; messages); its "
+                        "'test' split or last --num-eval rows are held out")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
@@ -182,7 +186,7 @@ def run(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     base = _base_folder(args.base)
-    if not has_chat_template(base):  # a pretrained base: real text, self-distilled (hf_mars/demo/real.py)
+    if getattr(args, "dataset", None) or not has_chat_template(base):  # real text (hf_mars/demo/real.py)
         return _run_real(args, base)
     if getattr(args, "lora_rank", 0):
         raise ValueError("--lora-rank applies to a pretrained base (the real-text pipeline); the tiny base trains "

@@ -60,7 +60,7 @@ def run(args, base: Path, out: Path) -> int:
          f"steps x batch {args.batch_size} for MARS (B={args.block_size}) and for SFT; torch threads: "
          f"{torch.get_num_threads()}")
     data = _data(base_model, tokenizer, args)
-    _log(f"1/5 data: {len(data['train'])} distilled continuations in {data['seconds']:.0f}s")
+    _log(f"1/5 data: {len(data['train'])} training pairs ({data['source']}) in {data['seconds']:.0f}s")
     mars_model, mars_s = _train(base, tokenizer, data["train"], args, work, mars=True)
     enable_mars(mars_model)
     _log(f"2/5 MARS fine-tune done in {mars_s:.0f}s")
@@ -96,10 +96,14 @@ def _load(path):
 
 
 def _data(base_model, tokenizer, args) -> dict:
-    """Distilled training pairs from train-topic openings; held-out openings and held-out text for perplexity."""
+    """Distilled training pairs from train-topic openings; held-out openings and held-out text for perplexity.
+    With ``--dataset``, the user's rows instead (`user_data.data`)."""
     import random
 
-    from hf_mars.demo import real_text
+    from hf_mars.demo import real_text, user_data
+
+    if getattr(args, "dataset", None):
+        return user_data.data(tokenizer, args, _draft_vocab)
 
     train, held = real_text.split()
     # half as many answers as the steps read, each seen twice: generating them costs about as much as training on
@@ -111,7 +115,8 @@ def _data(base_model, tokenizer, args) -> dict:
     pairs = real_text.distill(base_model, tokenizer, prompts, args.max_new_tokens, batch_size=32)
     held_prompts = [real_text.opening(text) for text in held[:args.num_eval]]
     return {"train": pairs, "seconds": time.time() - t0, "held_prompts": held_prompts,
-            "held_text": held[:max(args.num_eval, 8)], "draft_vocab": _draft_vocab(pairs)}
+            "held_text": held[:max(args.num_eval, 8)], "draft_vocab": _draft_vocab(pairs),
+            "source": "self-distilled: the base's greedy continuations of Python's language reference"}
 
 
 def _draft_vocab(pairs, coverage: float = 0.99) -> list[int]:
@@ -374,16 +379,21 @@ def _report(args, base, quality, decoding, timing, data, costs, mars_s, sft_s) -
                    "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
         "training": {"steps": args.steps, "batch_size": args.batch_size, "learning_rate": args.learning_rate,
                      "cut_fraction": args.cut_fraction, "train_embeddings": bool(args.train_embeddings),
-                     "lora_rank": int(getattr(args, "lora_rank", 0)), "examples": len(data["train"]), "distill_seconds": round(data["seconds"], 1),
+                     "lora_rank": int(getattr(args, "lora_rank", 0)), "examples": len(data["train"]),
+                     "data": data["source"], "distill_seconds": round(data["seconds"], 1),
                      "mars_seconds": round(mars_s, 1), "sft_seconds": round(sft_s, 1), "base": str(base)},
         "num_examples": len(data["held_prompts"]), "max_new_tokens": args.max_new_tokens,
-        "task": "held-out openings of Python's language reference (pydoc_data.topics, held-out topics); accuracy "
-                "= share of tokens identical to this model's own greedy decoding",
+        "task": (f"held-out prompts of {args.dataset}" if getattr(args, "dataset", None) else
+                 "held-out openings of Python's language reference (pydoc_data.topics, held-out topics)")
+                + "; accuracy = share of tokens identical to this model's own greedy decoding",
         "device": f"CPU, {torch.get_num_threads()} threads",
         "command": f"hf-mars demo --base {args.base}" + (" --quick" if args.quick else "")
-                   + (f" --lora-rank {args.lora_rank}" if getattr(args, "lora_rank", 0) else ""),
-        "description": (f"{Path(str(args.base)).name} fine-tuned with MARS by `hf-mars demo` on its own greedy "
-                        f"continuations of real text. Held-out perplexity: base {ppl['base']:.2f}, MARS "
+                   + (f" --lora-rank {args.lora_rank}" if getattr(args, "lora_rank", 0) else "")
+                   + (f" --dataset {args.dataset}" if getattr(args, "dataset", None) else ""),
+        "description": (f"{Path(str(args.base)).name} fine-tuned with MARS by `hf-mars demo` on "
+                        + (f"{args.dataset}" if getattr(args, "dataset", None) else
+                           "its own greedy continuations of real text")
+                        + f". Held-out perplexity: base {ppl['base']:.2f}, MARS "
                         f"{ppl['mars']:.2f}, compute-matched SFT {ppl['sft']:.2f}."),
     }
 
