@@ -172,3 +172,47 @@ def test_sampling_rows_join_and_leave(peaky, mode):
     for prompt, tokens in got.items():
         assert 1 <= len(tokens) <= limits[prompt] and mask not in tokens
     assert run()[0] == got
+
+
+@pytest.mark.parametrize("pattern", [("chain",), ("tree", "chain"), ("chain", "chain", "tree"), "random"])
+def test_a_served_batch_switching_between_tree_and_chain_decodes_plain_greedy(peaky, monkeypatch, pattern):
+    """Verify's default in flight (`engine.measured_step`): each batch step in the tree or the chain, whichever the
+    process measured faster for this many rows; the rows' pending drafts change form between the two. Whatever the
+    sequence of layouts (forced here, rows joining and leaving), every row decodes exactly plain greedy."""
+    import random
+
+    from hf_mars.generation import policy
+
+    model, tok = peaky
+    rng, taken = random.Random(0), []
+
+    def choose(record):
+        layout = rng.choice(policy.ENGINE_LAYOUTS) if pattern == "random" else pattern[len(taken) % len(pattern)]
+        taken.append(layout)
+        return layout
+
+    monkeypatch.setattr(policy.CallRecord, "choose", choose)
+    arrivals = [(0, PROMPTS[0], 24, None), (0, PROMPTS[1], 6, None), (2, PROMPTS[2], 16, None),
+                (3, PROMPTS[3], 30, None), (7, PROMPTS[4], 12, None), (8, PROMPTS[5], 3, None)]
+    got = _drive(MARSEngine(model), tok, arrivals, default_tau=0.3, mars_verify=True)
+    assert set(taken) == (set(pattern) if pattern != "random" else set(policy.ENGINE_LAYOUTS))
+    for _, prompt, max_new, _ in arrivals:
+        assert got[prompt] == _alone(model, tok, prompt, max_new), prompt
+
+
+def test_the_served_layout_is_measured_per_number_of_rows_and_an_asked_tree_is_kept(peaky):
+    """Unforced, the engine's record warms each layout up for the rows it sees and then takes the faster; a batch
+    whose tree shape was asked for (or that decodes no tree) steps as it is."""
+    from hf_mars.generation.policy import choices_for, record_for
+
+    model, tok = peaky
+    arrivals = [(0, p, 20, None) for p in PROMPTS[:2]]
+    _drive(MARSEngine(model), tok, arrivals, default_tau=0.3, mars_verify=True)
+    steps = choices_for(model, 2, "engine")
+    assert set(steps) == {"tree", "chain"} and record_for(model, 2, "engine").calls == steps
+    before = dict(choices_for(model, 1, "engine"))
+    _drive(MARSEngine(model), tok, [(0, PROMPTS[0], 20, None)], default_tau=0.3, mars_verify=True,
+           mars_draft_tree="1,1,1")
+    _drive(MARSEngine(model), tok, [(0, PROMPTS[0], 20, None)], default_tau=0.3, mars_verify=True,
+           mars_draft_tree="chain")
+    assert dict(choices_for(model, 1, "engine")) == before

@@ -13,11 +13,13 @@ history, a block-level, sliding-window or static cache) still steps, round-robin
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import NamedTuple
 
 import torch
 
 from .api import _stop_strings_as_criterion, _with_option_parameters, start_decoder
+from .policy import choices_for, record_for
 
 
 def _first_step(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
@@ -67,6 +69,44 @@ def merge(dec, other) -> None:
 def keep_rows(dec, keep: list) -> None:
     """Only the rows ``keep`` go on (`MARSDecoder.keep_rows`)."""
     dec.keep_rows(keep)
+
+
+@dataclasses.dataclass
+class StepCounts:
+    """One batch step as `policy.CallRecord.observe` reads a call: the rows that stepped, those that started it
+    with drafts, and the tokens those emitted."""
+
+    row_steps: int
+    drafted_steps: int
+    drafted_tokens: int
+
+
+def measured_step(dec) -> str | None:
+    """One step of a served batch in the layout this process measured fastest for the model and this many rows
+    (`policy.CallRecord`, loop "engine": the draft tree or the chain, as verify's default 'auto' chooses per
+    `generate` call; here per step, since rows join and leave). A batch that decodes no tree, or whose tree shape
+    was asked for, steps as it is. Returns the layout taken (None: the batch's own)."""
+    if getattr(dec, "tree_shape", None) is None or dec.opts.draft_tree != "auto":
+        dec.step()
+        return None
+    rows = dec.rows
+    active = [r for r in range(dec.batch) if rows.unfinished[r]]
+    drafted = [r for r in active if rows.drafts[r]]
+    emitted = [len(tokens) for tokens in rows.tokens]
+    record = record_for(dec.model, len(active), "engine")
+    layout = record.choose()
+    dec.drafting_as(layout)
+    started = time.perf_counter()
+    try:
+        dec.step()
+    finally:
+        dec.drafting_as("tree")
+    seconds = time.perf_counter() - started
+    counts = StepCounts(len(active), len(drafted), sum(len(rows.tokens[r]) - emitted[r] for r in drafted))
+    record.observe(layout, counts, 1, seconds)
+    history = choices_for(dec.model, len(active), "engine")
+    history[layout] = history.get(layout, 0) + 1
+    return layout
 
 
 @dataclasses.dataclass
@@ -132,7 +172,7 @@ class MARSEngine:
         if self.batch is not None:
             self.batch.set_row_taus([default_tau if r.tau is None else r.tau for r in self.batch_rows])
             with torch.no_grad():
-                self.batch.step()
+                measured_step(self.batch)
             events += self._events(self.batch, self.batch_rows)
             self._drop_finished()
         still = []

@@ -344,6 +344,7 @@ def choices_for(model, rows: int, loop: str = "tree") -> dict:
 # ---------------------------------------------------------------- 'auto': tree, chain or plain, by measured calls
 CALL_LAYOUTS = ("tree", "chain", "plain")  # 'plain': one token per step (no masks), plain greedy's own steps; the
 # warm-up's order
+ENGINE_LAYOUTS = ("tree", "chain")  # `MARSEngine`'s per-step choice (a served batch's rows keep their masks)
 WARM_CALLS = 3  # calls of each layout still in contention before the fastest is kept
 # after one call each, a layout measured below this share of the best one's rate leaves the warm-up (successive
 # elimination): a short process should not spend its few calls confirming what one call showed (plain steps at
@@ -367,8 +368,12 @@ class CallRecord:
     not) and hardly moves with the prompts; the drafts accepted are the masks' quality on the text, the same for
     every layout, so they are pooled over all calls: measured per layout on different prompts they would differ by
     more than the layouts do. A step's time is each layout's own (width, host work, load): its recent calls' decode
-    seconds over their decode steps (a short answer's few steps weigh little)."""
+    seconds over their decode steps (a short answer's few steps weigh little).
 
+    `MARSEngine` (rows that join and leave, as `hf-mars serve` runs them) keeps one per model and number of rows
+    with ``layouts=ENGINE_LAYOUTS`` and observes each step of its batch as a call of one step."""
+
+    layouts: tuple = CALL_LAYOUTS  # what it chooses between, the warm-up's order
     drafted_steps: float = 0.0  # every call (decayed by POOL_DECAY a call): row-steps that started with drafts ...
     drafted_tokens: float = 0.0  # ... and the tokens they emitted
     with_drafts: dict = dataclasses.field(default_factory=dict)  # layout -> [drafted row-steps, row-steps]
@@ -387,20 +392,20 @@ class CallRecord:
         return self.tokens_per_forward(layout) * steps / seconds
 
     def warming(self) -> str | None:
-        """The layout the warm-up runs next (None: it is over): each layout once, in ``CALL_LAYOUTS`` order, then
+        """The layout the warm-up runs next (None: it is over): each layout once, in ``layouts`` order, then
         those still in contention (within ``CONTENTION`` of the best measured rate) until each has WARM_CALLS."""
-        untried = [layout for layout in CALL_LAYOUTS if not self.calls.get(layout)]
+        untried = [layout for layout in self.layouts if not self.calls.get(layout)]
         if untried:
             return untried[0]
-        top = max(self.rate(layout) for layout in CALL_LAYOUTS)
-        short = [layout for layout in CALL_LAYOUTS
+        top = max(self.rate(layout) for layout in self.layouts)
+        short = [layout for layout in self.layouts
                  if self.calls[layout] < WARM_CALLS and self.rate(layout) >= CONTENTION * top]
         return min(short, key=lambda layout: self.calls[layout]) if short else None
 
     def best(self) -> str | None:
         if self.warming() is not None:
             return None
-        return max(CALL_LAYOUTS, key=self.rate)
+        return max(self.layouts, key=self.rate)
 
     def choose(self) -> str:
         """The layout of the next call: the warm-up's (`warming`), then the fastest, and every PROBE_CALLS calls
@@ -408,9 +413,9 @@ class CallRecord:
         warm = self.warming()
         if warm is not None:
             return warm
-        best = max(CALL_LAYOUTS, key=self.rate)
+        best = max(self.layouts, key=self.rate)
         if self.since_probe >= PROBE_CALLS:
-            return min((layout for layout in CALL_LAYOUTS if layout != best), key=lambda l: self.last_call.get(l, -1))
+            return min((layout for layout in self.layouts if layout != best), key=lambda l: self.last_call.get(l, -1))
         return best
 
     def observe(self, layout: str, outputs, steps: int, seconds: float) -> None:
@@ -434,12 +439,13 @@ _RECORDS: dict = {}
 
 
 def record_for(model, rows: int, loop: str = "tree"):
-    """The process's `DraftRecord` (loop "tree"), `ThresholdRecord` ("chunk") or 'auto''s `CallRecord` ("call")
-    for this model / device / dtype and batch size: the policies of successive calls share it, as they share the
-    step costs."""
+    """The process's `DraftRecord` (loop "tree"), `ThresholdRecord` ("chunk"), 'auto''s `CallRecord` ("call") or
+    `MARSEngine`'s ("engine") for this model / device / dtype and batch size: the policies of successive calls
+    share it, as they share the step costs."""
     from .cost import model_key, per_model
 
-    make = {"tree": DraftRecord, "chunk": ThresholdRecord, "call": CallRecord}[loop]
+    make = {"tree": DraftRecord, "chunk": ThresholdRecord, "call": CallRecord,
+            "engine": lambda: CallRecord(layouts=ENGINE_LAYOUTS)}[loop]
     return per_model(_RECORDS, (model_key(model), int(rows), loop), model, make)
 
 

@@ -195,6 +195,20 @@ class TreeDecoder(MARSDecoder):
                            time.perf_counter() - self.outputs.decode_started)
         return sequences
 
+    def drafting_as(self, layout: str) -> None:
+        """Between two steps, decode the next ones as the draft chain ('chain') or as the tree again ('tree'):
+        `MARSEngine`'s measured choice for a served batch (the batch itself stays a tree decoder, so rows that join
+        merge as before). The rows' pending drafts change form with the layout: a tree's per-depth candidates give
+        the chain their top-1 tokens; the chain's drafts give the tree one candidate per depth, of unknown
+        probability (1.0: the first tree step after a chain puts its masks at the path's end, the chain's habit).
+        Lossless either way: a layout decides which drafts are checked, never what is emitted."""
+        if layout == "chain" and self.tree_shape is not None:
+            self.tree_kept, self.tree_shape = self.tree_shape, None
+            self.rows.drafts = [[candidates[0][0] for candidates in drafts] for drafts in self.rows.drafts]
+        elif layout == "tree" and self.tree_shape is None and getattr(self, "tree_kept", None) is not None:
+            self.tree_shape = self.tree_kept
+            self.rows.drafts = [[[(token, 1.0)] for token in drafts] for drafts in self.rows.drafts]
+
     # ---------------------------------------------------------------- the chunk
     @staticmethod
     def empty_tree() -> Tree:
