@@ -47,7 +47,9 @@ CONFIGS = {
     "fixed τ=1": ["--tau-ladder", "0:1.0"],
     "ladder": ["--tau-ladder", "0:1.0,2:0.99"],
     "ladder to 0.95": ["--tau-ladder", "0:1.0,2:0.99,6:0.95"],
-    "lossless": ["--lossless"],
+    "lossless": ["--lossless"],  # verify; its default layout measured per step (`generation.engine.measured_step`)
+    "lossless tree": ["--lossless", "--mars-draft-tree", "tree"],  # the fixed layouts it chooses between
+    "lossless chain": ["--lossless", "--mars-draft-tree", "chain"],
 }
 # "Copy: " of these, the demo checkpoint answers at length (it runs to the token limit); other 60-80 letter
 # strings, e.g. random letters, get answers of ~10 tokens. The mean completion tokens of long and short requests
@@ -462,7 +464,8 @@ if __name__ == "__main__":
     p.add_argument("--model", required=True)
     p.add_argument("--requests", type=int, default=64, help="Requests per load level (the same prompts each time).")
     p.add_argument("--levels", default="0.25,0.5,1,2", help="Offered loads, as multiples of fixed τ=1's capacity.")
-    p.add_argument("--configs", default=",".join(CONFIGS), help="In-flight configurations (from --src).")
+    p.add_argument("--configs", default="fixed τ=1,ladder,ladder to 0.95,lossless",
+                   help=f"In-flight configurations (from --src), of {list(CONFIGS)}.")
     p.add_argument("--src", type=Path, default=TREE, help="Source tree of the in-flight servers (PYTHONPATH).")
     p.add_argument("--baseline-src", type=Path, default=None,
                    help="Source tree of the static batcher; adds its --baseline-configs as 'static ...' rows.")

@@ -344,7 +344,9 @@ def choices_for(model, rows: int, loop: str = "tree") -> dict:
 # ---------------------------------------------------------------- 'auto': tree, chain or plain, by measured calls
 CALL_LAYOUTS = ("tree", "chain", "plain")  # 'plain': one token per step (no masks), plain greedy's own steps; the
 # warm-up's order
-ENGINE_LAYOUTS = ("tree", "chain")  # `MARSEngine`'s per-step choice (a served batch's rows keep their masks)
+# `MARSEngine`'s per-step choice (a served batch's rows keep their masks); one step is a short "call", so its record
+# weighs ~20 recent steps per layout and warms each up over 8
+ENGINE_LAYOUTS, ENGINE_STEP_DECAY, ENGINE_WARM_STEPS = ("tree", "chain"), 0.95, 8
 WARM_CALLS = 3  # calls of each layout still in contention before the fastest is kept
 # after one call each, a layout measured below this share of the best one's rate leaves the warm-up (successive
 # elimination): a short process should not spend its few calls confirming what one call showed (plain steps at
@@ -374,6 +376,8 @@ class CallRecord:
     with ``layouts=ENGINE_LAYOUTS`` and observes each step of its batch as a call of one step."""
 
     layouts: tuple = CALL_LAYOUTS  # what it chooses between, the warm-up's order
+    step_decay: float = STEP_DECAY
+    warm_calls: int = WARM_CALLS
     drafted_steps: float = 0.0  # every call (decayed by POOL_DECAY a call): row-steps that started with drafts ...
     drafted_tokens: float = 0.0  # ... and the tokens they emitted
     with_drafts: dict = dataclasses.field(default_factory=dict)  # layout -> [drafted row-steps, row-steps]
@@ -399,7 +403,7 @@ class CallRecord:
             return untried[0]
         top = max(self.rate(layout) for layout in self.layouts)
         short = [layout for layout in self.layouts
-                 if self.calls[layout] < WARM_CALLS and self.rate(layout) >= CONTENTION * top]
+                 if self.calls[layout] < self.warm_calls and self.rate(layout) >= CONTENTION * top]
         return min(short, key=lambda layout: self.calls[layout]) if short else None
 
     def best(self) -> str | None:
@@ -428,7 +432,7 @@ class CallRecord:
         self.with_drafts[layout] = (POOL_DECAY * drafted + outputs.drafted_steps,
                                     POOL_DECAY * total + outputs.row_steps)
         spent, stepped = self.step_seconds.get(layout, (0.0, 0))
-        self.step_seconds[layout] = (STEP_DECAY * spent + seconds, STEP_DECAY * stepped + steps)
+        self.step_seconds[layout] = (self.step_decay * spent + seconds, self.step_decay * stepped + steps)
         self.last_call[layout] = sum(self.calls.values())
         self.calls[layout] = self.calls.get(layout, 0) + 1
         best = self.best()
@@ -445,7 +449,7 @@ def record_for(model, rows: int, loop: str = "tree"):
     from .cost import model_key, per_model
 
     make = {"tree": DraftRecord, "chunk": ThresholdRecord, "call": CallRecord,
-            "engine": lambda: CallRecord(layouts=ENGINE_LAYOUTS)}[loop]
+            "engine": lambda: CallRecord(ENGINE_LAYOUTS, ENGINE_STEP_DECAY, ENGINE_WARM_STEPS)}[loop]
     return per_model(_RECORDS, (model_key(model), int(rows), loop), model, make)
 
 

@@ -177,7 +177,7 @@ class TreeDecoder(MARSDecoder):
     def run(self, synced: bool = False):
         """`MARSDecoder.run`; with the default 'auto', the tree, the chain or plain one-token steps, whichever this
         process measured fastest for this model at this batch size (`policy.CallRecord`); the call's own time goes
-        to the record. (`MARSEngine` steps its decoders without `run`: a served batch keeps the tree.)"""
+        to the record. (`MARSEngine` steps its decoders without `run`: `engine.measured_step` chooses per step.)"""
         layout = record = None
         if self.tree_shape is not None and self.opts.draft_tree == "auto" and not synced:
             record = record_for(self.model, self.batch, "call")
