@@ -342,10 +342,8 @@ def choices_for(model, rows: int, loop: str = "tree") -> dict:
 
 
 # ---------------------------------------------------------------- 'auto': tree, chain or plain, by measured calls
-CALL_LAYOUTS = ("tree", "chain", "plain")  # 'plain': one token per step (no masks), plain greedy's own steps; the
-# warm-up's order
-# `MARSEngine`'s per-step choice (a served batch's rows keep their masks); one step is a short "call", so its record
-# weighs ~20 recent steps per layout and warms each up over 8
+CALL_LAYOUTS = ("tree", "chain", "plain")  # the warm-up's order; 'plain': 1-token steps (no masks), greedy's own
+# `MARSEngine`'s per-step choice, a step being a short call: ~20 recent steps weighed per layout, 8 warm-up steps
 ENGINE_LAYOUTS, ENGINE_STEP_DECAY, ENGINE_WARM_STEPS = ("tree", "chain"), 0.95, 8
 WARM_CALLS = 3  # calls of each layout still in contention before the fastest is kept
 # after one call each, a layout measured below this share of the best one's rate leaves the warm-up (successive
@@ -370,10 +368,8 @@ class CallRecord:
     not) and hardly moves with the prompts; the drafts accepted are the masks' quality on the text, the same for
     every layout, so they are pooled over all calls: measured per layout on different prompts they would differ by
     more than the layouts do. A step's time is each layout's own (width, host work, load): its recent calls' decode
-    seconds over their decode steps (a short answer's few steps weigh little).
-
-    `MARSEngine` (rows that join and leave, as `hf-mars serve` runs them) keeps one per model and number of rows
-    with ``layouts=ENGINE_LAYOUTS`` and observes each step of its batch as a call of one step."""
+    seconds over their decode steps (a short answer's few steps weigh little). `MARSEngine` keeps one per model and
+    number of rows (``ENGINE_LAYOUTS``), each step of its batch a call of one step."""
 
     layouts: tuple = CALL_LAYOUTS  # what it chooses between, the warm-up's order
     step_decay: float = STEP_DECAY
