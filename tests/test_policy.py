@@ -447,3 +447,35 @@ def test_default_verify_follows_the_record_and_stays_greedy(peaky, monkeypatch):
     record = policy_module.record_for(model, 2, "call")
     assert record.calls == {"tree": 1, "chain": 1, "plain": 1}  # every call was timed into the record
     assert policy_module.choices_for(model, 2, "call") == {"tree": 1, "chain": 1, "plain": 1}
+
+
+def test_where_a_tree_is_refused_auto_measures_the_chain_against_plain_steps(make_model):
+    """A model whose cache has sliding-window layers (as Gemma 3's) cannot decode a tree; 'auto' then weighs the
+    chain against plain one-token steps (weak masks or a costly wide step may not pay), in its own record, and both
+    stay plain greedy. Sampling keeps the chain (no record)."""
+    from transformers import DynamicCache
+
+    from hf_mars.generation.cache import has_sliding_layers
+
+    model, tok = make_model(seed=1, initializer_range=1.0, use_sliding_window=True, sliding_window=64,
+                            max_window_layers=0)
+    assert has_sliding_layers(DynamicCache(config=model.config))
+    enable_mars(model)
+    enc = tok(["hello world", "a"], return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=16, do_sample=False, return_dict_in_generate=True)
+    greedy = model.generate(**enc, **kw).sequences
+    record = policy_module.record_for(model, 2, "call-chain")
+    chosen = policy_module.choices_for(model, 2, "call")  # what hf-mars bench reports
+    seen = []
+    while record.best() is None and len(seen) < 10:
+        before = dict(chosen)
+        out = model.generate(**enc, mars_verify=True, **kw)
+        assert torch.equal(out.sequences, greedy)
+        seen += [layout for layout in chosen if chosen[layout] > before.get(layout, 0)]
+        if seen[-1] == "plain":
+            assert out.mars_forward_passes.tolist() == out.mars_emitted_tokens.tolist()  # one token per forward
+    assert seen[:2] == ["chain", "plain"] and record.best() in ("chain", "plain")
+    assert record.calls == chosen and sum(record.calls.values()) == len(seen)
+    calls = dict(record.calls)
+    model.generate(**enc, mars_verify=True, do_sample=True, max_new_tokens=8)
+    assert record.calls == calls

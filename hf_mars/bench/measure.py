@@ -258,9 +258,9 @@ class _Bench:
         return per_spec
 
     def _generate_once(self, batch, spec, recorder):
-        """One generate call; with a per-step policy (mars_draft_tree='cost', mars_plain_steps) also the layouts it
-        chose (`policy.choices_for`)."""
-        loop = "tree" if spec.tree == "cost" else "chunk" if spec.plain_steps else None
+        """One generate call; with a measured policy (mars_draft_tree='auto' or 'cost', mars_plain_steps) also the
+        layouts it chose (`policy.choices_for`)."""
+        loop = {"cost": "tree", "auto": "call"}.get(spec.tree, "chunk" if spec.plain_steps else None)
         chosen = choices_for(self.model, batch[0].shape[0], loop) if loop else None
         before = dict(chosen or {})
         run = _generate_once(self.model, batch, spec, self.max_new_tokens, self.eos_ids, recorder, self.device)

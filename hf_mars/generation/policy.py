@@ -439,13 +439,13 @@ _RECORDS: dict = {}
 
 
 def record_for(model, rows: int, loop: str = "tree"):
-    """The process's `DraftRecord` (loop "tree"), `ThresholdRecord` ("chunk"), 'auto''s `CallRecord` ("call") or
-    `MARSEngine`'s ("engine") for this model / device / dtype and batch size: the policies of successive calls
-    share it, as they share the step costs."""
+    """The process's `DraftRecord` ("tree"), `ThresholdRecord` ("chunk"), 'auto''s `CallRecord` ("call", "call-chain")
+    or `MARSEngine`'s ("engine") for this model / device / dtype and batch size, shared by successive calls."""
     from .cost import model_key, per_model
 
     make = {"tree": DraftRecord, "chunk": ThresholdRecord, "call": CallRecord,
-            "engine": lambda: CallRecord(ENGINE_LAYOUTS, ENGINE_STEP_DECAY, ENGINE_WARM_STEPS)}[loop]
+            "engine": lambda: CallRecord(ENGINE_LAYOUTS, ENGINE_STEP_DECAY, ENGINE_WARM_STEPS),
+            "call-chain": lambda: CallRecord(CALL_LAYOUTS[1:])}[loop]  # (no tree: the chain or plain)
     return per_model(_RECORDS, (model_key(model), int(rows), loop), model, make)
 
 

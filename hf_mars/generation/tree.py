@@ -174,13 +174,25 @@ class TreeDecoder(MARSDecoder):
         elif asked:
             _logger.warning_once(f"mars_draft_tree: decoding with the draft chain instead of a tree: {reason}.")
 
+    def auto_record(self, synced: bool) -> str | None:
+        """Which record verify's default 'auto' takes this call's layout from: "call" (the tree, the chain or plain
+        steps) where a tree can run; "call-chain" (the chain or plain steps) where a tree was refused for the model
+        (a sliding-window cache, as Gemma 3's; an attention without 4D masks), greedy on a dynamic cache: weak masks
+        or a costly wide step may not pay there either. None: the call's own layout."""
+        if synced or self.opts.draft_tree != "auto" or not self.opts.verify or self.shape.one_token:
+            return None
+        if self.tree_shape is not None:
+            return "call"
+        return None if self.do_sample or self.cache.static else "call-chain"
+
     def run(self, synced: bool = False):
         """`MARSDecoder.run`; with the default 'auto', the tree, the chain or plain one-token steps, whichever this
         process measured fastest for this model at this batch size (`policy.CallRecord`); the call's own time goes
         to the record. (`MARSEngine` steps its decoders without `run`: `engine.measured_step` chooses per step.)"""
         layout = record = None
-        if self.tree_shape is not None and self.opts.draft_tree == "auto" and not synced:
-            record = record_for(self.model, self.batch, "call")
+        loop = self.auto_record(synced)
+        if loop is not None:
+            record = record_for(self.model, self.batch, loop)
             layout = record.choose()
             history = choices_for(self.model, self.batch, "call")
             history[layout] = history.get(layout, 0) + 1
