@@ -174,16 +174,22 @@ def test_sampling_rows_join_and_leave(peaky, mode):
     assert run()[0] == got
 
 
+@pytest.mark.parametrize("drafts", ["peaky", "mostly right"])
 @pytest.mark.parametrize("pattern", [("chain",), ("tree", "chain"), ("chain", "chain", "tree"), "random"])
-def test_a_served_batch_switching_between_tree_and_chain_decodes_plain_greedy(peaky, monkeypatch, pattern):
+def test_a_served_batch_switching_between_tree_and_chain_decodes_plain_greedy(peaky, monkeypatch, pattern, drafts):
     """Verify's default in flight (`engine.measured_step`): each batch step in the tree or the chain, whichever the
-    process measured faster for this many rows; the rows' pending drafts change form between the two. Whatever the
-    sequence of layouts (forced here, rows joining and leaving), every row decodes exactly plain greedy."""
+    process measured faster for this many rows; the rows' pending drafts change form between the two (and are cut
+    to what each row may still emit). Whatever the sequence of layouts (forced here, rows joining and leaving,
+    drafts that are mostly right up to every row's length limit), every row decodes exactly plain greedy."""
     import random
+
+    from test_stateful_clients import position_only_model
 
     from hf_mars.generation import policy
 
     model, tok = peaky
+    if drafts == "mostly right":
+        model = position_only_model(tok)
     rng, taken = random.Random(0), []
 
     def choose(record):

@@ -216,7 +216,8 @@ class TreeDecoder(MARSDecoder):
         Lossless either way: a layout decides which drafts are checked, never what is emitted."""
         if layout == "chain" and self.tree_shape is not None:
             self.tree_kept, self.tree_shape = self.tree_shape, None
-            self.rows.drafts = [[candidates[0][0] for candidates in drafts] for drafts in self.rows.drafts]
+            _, candidates = self.row_candidates()  # (cut to what the length limits let a row emit, as the chain's)
+            self.rows.drafts = [[per_depth[0][0] for per_depth in c or []] for c in candidates]
         elif layout == "tree" and self.tree_shape is None and getattr(self, "tree_kept", None) is not None:
             self.tree_shape = self.tree_kept
             self.rows.drafts = [[[(token, 1.0)] for token in drafts] for drafts in self.rows.drafts]
