@@ -291,7 +291,7 @@ class _Bench:
             decode_widths = [w for run in reps[0] for w in run["widths"][1:]]
             row["_predicted_s"] = sum(table[w] for w in decode_widths)
             row["draft_tree"] = spec.tree
-            if spec.tree == "cost" or spec.plain_steps:  # the layouts the policy chose per step, over the timed calls
+            if spec.tree in ("cost", "auto") or spec.plain_steps:  # the layouts chosen (per step; auto: per call)
                 row["policy_layouts"] = _layout_counts(run for runs in reps for run in runs)
             row["acceptance"] = spec.acceptance
             row["plain_steps"] = spec.plain_steps or None

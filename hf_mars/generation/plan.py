@@ -97,7 +97,8 @@ def plan_step(dec) -> StepPlan:
     single = [shape.one_token or (t is not None and one_token(t)) for t in rows.tau]
     if dec.policy is not None and dec.policy.plain_step:  # threshold mode's opt-in plain 1-token step (`policy.ThresholdPolicy`)
         single = [True] * b
-    no_masks = not block and not verify and all(single[r] for r in range(b) if unfinished[r])
+    # (verify too: a one-token row proposes no drafts, so its masks would be read by no one; 'auto''s plain steps)
+    no_masks = not block and all(single[r] for r in range(b) if unfinished[r])
     active, uncached, drafts, masks, slots = [False] * b, [0] * b, [0] * b, [0] * b, [0] * b
     for r in range(b):
         if not unfinished[r] or (block and not rows.chunk_start and in_chunk[r] >= shape.chunk):

@@ -177,13 +177,16 @@ class TreeDecoder(MARSDecoder):
     def auto_record(self, synced: bool) -> str | None:
         """Which record verify's default 'auto' takes this call's layout from: "call" (the tree, the chain or plain
         steps) where a tree can run; "call-chain" (the chain or plain steps) where a tree was refused for the model
-        (a sliding-window cache, as Gemma 3's; an attention without 4D masks), greedy on a dynamic cache: weak masks
-        or a costly wide step may not pay there either. None: the call's own layout."""
+        alone (a sliding-window cache, as Gemma 3's; an attention without 4D masks): weak masks or a costly wide
+        step may not pay there either. None: the call's own layout (also where its options refuse a tree:
+        sampling, the static cache, processors that read the history)."""
         if synced or self.opts.draft_tree != "auto" or not self.opts.verify or self.shape.one_token:
             return None
         if self.tree_shape is not None:
             return "call"
-        return None if self.do_sample or self.cache.static else "call-chain"
+        options_refuse = self.do_sample or self.cache.static or self.clients.exact \
+            or not history_free(self.clients.processors)  # (the call's own options: its layout stays the chain)
+        return None if options_refuse else "call-chain"
 
     def run(self, synced: bool = False):
         """`MARSDecoder.run`; with the default 'auto', the tree, the chain or plain one-token steps, whichever this
