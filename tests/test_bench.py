@@ -235,8 +235,9 @@ def test_help_shows_the_defaults(capsys):
 
 
 def test_cost_rows_report_the_layouts_chosen(make_model):
-    """`--draft-trees auto cost`: the 'cost' row records the layouts its policy chose in the timed calls (the
-    default tree's row has none), both identical to greedy, and the table prints the shares."""
+    """`--draft-trees auto cost`: the 'cost' row records the layouts its policy chose per step in the timed calls,
+    the default 'auto' row those it chose per call (tree, chain or plain), both identical to greedy, and the table
+    prints the shares."""
     from hf_mars.generation.policy import menu
 
     model, tok = make_model(seed=1, hidden_size=32)
@@ -246,7 +247,8 @@ def test_cost_rows_report_the_layouts_chosen(make_model):
                                         draft_trees=("auto", "cost"))
     auto, cost = (next(r for r in result["rows"] if r.get("draft_tree") == t) for t in ("auto", "cost"))
     assert auto["matches_ar"] == 1.0 and cost["matches_ar"] == 1.0
-    assert "policy_layouts" not in auto
+    assert auto["policy_layouts"] and set(auto["policy_layouts"]) <= {"tree", "chain", "plain"}
+    assert "'auto' chose per call:" in bench.format_table(result)
     labels = {"plain"} | {layout.label() for layout in menu(result["settings"]["block_size"], 0.03)}
     assert cost["policy_layouts"] and set(cost["policy_layouts"]) <= labels
     counts = list(cost["policy_layouts"].values())
