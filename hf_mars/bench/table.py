@@ -60,11 +60,10 @@ def format_table(result: dict) -> str:
         if row.get("policy_layouts"):
             total = sum(row["policy_layouts"].values())
             shares = ", ".join(f"{name} {n / total:.0%}" for name, n in row["policy_layouts"].items())
-            what = ("plain_steps" if row.get("plain_steps") else "'auto'" if row.get("draft_tree") == "auto"
-                    else "'cost'")
-            per = "call" if row.get("draft_tree") == "auto" else "step"
-            out.append(f"  batch {row['batch_size']}: {row['mode']} tau={row['threshold']:g} {what} chose per {per}: "
-                       f"{shares}")
+            auto = row.get("draft_tree") == "auto"
+            what = "plain_steps" if row.get("plain_steps") else "'auto'" if auto else "'cost'"
+            out.append(f"  batch {row['batch_size']}: {row['mode']} tau={row['threshold']:g} {what} chose per "
+                       f"{'call' if auto else 'step'}: {shares}")
     out.append("speedup: median over repeats of the total time; (best): from each generate call's fastest repeat; "
                f"tok/s and times are medians over {result['settings']['repeats']} interleaved repeats")
     out.append("limit = (tokens per forward call, MARS/AR) x cost(1)/cost(1+B); eff = speedup/limit; "
