@@ -479,3 +479,27 @@ def test_where_a_tree_is_refused_auto_measures_the_chain_against_plain_steps(mak
     calls = dict(record.calls)
     model.generate(**enc, mars_verify=True, do_sample=True, max_new_tokens=8)
     assert record.calls == calls
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["tree model", "sliding-window model"])
+def test_verifys_plain_layout_feeds_no_masks(make_model, monkeypatch, sliding):
+    """'auto''s plain layout is plain decoding: every forward, the prefill too, feeds real tokens only (a mask fed
+    there would be read by no one, and on a large LM head it doubles a step's cost), and the output is greedy's."""
+    extra = dict(use_sliding_window=True, sliding_window=64, max_window_layers=0) if sliding else {}
+    model, tok = make_model(seed=1, initializer_range=1.0, **extra)
+    enable_mars(model)
+    mask_id = model.config.mars["mask_token_id"]
+    enc = tok(["hello world", "a"], return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    greedy = model.generate(**enc, **kw).sequences
+    monkeypatch.setattr(policy_module.CallRecord, "choose", lambda self: "plain")
+    fed = []
+    hook = model.register_forward_pre_hook(lambda mod, args, kwargs: fed.append(kwargs["input_ids"]),
+                                           with_kwargs=True)
+    try:
+        out = model.generate(**enc, mars_verify=True, **kw)
+    finally:
+        hook.remove()
+    assert torch.equal(out.sequences, greedy)
+    assert all(x.shape[1] == 1 for x in fed[1:]) and not any((x == mask_id).any() for x in fed), \
+        [tuple(x.shape) for x in fed]
