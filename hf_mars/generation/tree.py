@@ -133,16 +133,30 @@ def shape_of(opts, max_drafts: int) -> tuple:
     return tuple(int(k) for k in opts.draft_tree.split(","))
 
 
-def refusal(dec) -> str | None:
-    """Why this call cannot decode with a tree (None: it can)."""
-    attention = attn_implementation(dec.model.config)
+CACHE_REFUSAL = "a static or sliding-window cache (the accepted path is gathered, the cache cannot hold gaps)"
+
+
+def options_refusal(dec) -> str | None:
+    """Why this call's own options (not its model) rule a tree out (None: they do not)."""
     if dec.do_sample:
         return ("sampling (exact multi-candidate speculative sampling is not implemented; the chain's speculative "
                 "sampling keeps the target distribution)")
     if dec.clients.exact or not history_free(dec.clients.processors):
         return "logits processors that read the token history (one call per tree node would be needed)"
-    if dec.cache.static or dec.cache.sliding:
-        return "a static or sliding-window cache (the accepted path is gathered, the cache cannot hold gaps)"
+    if dec.cache.static:
+        return CACHE_REFUSAL
+    return None
+
+
+def refusal(dec) -> str | None:
+    """Why this call cannot decode with a tree (None: it can): its options (`options_refusal`), then its model's
+    cache and attention."""
+    attention = attn_implementation(dec.model.config)
+    reason = options_refusal(dec)
+    if reason is not None:
+        return reason
+    if dec.cache.sliding:
+        return CACHE_REFUSAL
     if attention not in TREE_ATTENTION:
         return f"attn_implementation={attention!r} (a tree needs a 4D attention mask: use 'sdpa' or 'eager')"
     return None
@@ -154,7 +168,7 @@ class TreeDecoder(MARSDecoder):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.tree_shape = None
+        self.tree_shape = self.tree_kept = None  # (tree_kept: the shape while `drafting_as` has the chain decode)
         if self.shape.one_token or not self.opts.verify or self.opts.draft_tree == "chain":
             return
         reason = refusal(self)
@@ -184,9 +198,7 @@ class TreeDecoder(MARSDecoder):
             return None
         if self.tree_shape is not None:
             return "call"
-        options_refuse = self.do_sample or self.cache.static or self.clients.exact \
-            or not history_free(self.clients.processors)  # (the call's own options: its layout stays the chain)
-        return None if options_refuse else "call-chain"
+        return None if options_refusal(self) is not None else "call-chain"
 
     def run(self, synced: bool = False):
         """`MARSDecoder.run`; with the default 'auto', the tree, the chain or plain one-token steps, whichever this
@@ -221,7 +233,7 @@ class TreeDecoder(MARSDecoder):
             self.tree_kept, self.tree_shape = self.tree_shape, None
             _, candidates = self.row_candidates()  # (cut to what the length limits let a row emit, as the chain's)
             self.rows.drafts = [[per_depth[0][0] for per_depth in c or []] for c in candidates]
-        elif layout == "tree" and self.tree_shape is None and getattr(self, "tree_kept", None) is not None:
+        elif layout == "tree" and self.tree_shape is None and self.tree_kept is not None:
             self.tree_shape = self.tree_kept
             self.rows.drafts = [[[(token, 1.0)] for token in drafts] for drafts in self.rows.drafts]
 
