@@ -382,7 +382,7 @@ def _calls(drafted_steps, row_steps=10, tokens_per_drafted_step=3):
 
 
 def test_auto_tries_every_layout_then_keeps_the_fastest_and_probes_the_others():
-    record = policy_module.CallRecord()
+    record = policy_module.CallRecord(untimed=0)
     warm, layouts = policy_module.WARM_CALLS, policy_module.CALL_LAYOUTS
     # (row-steps with drafts of 10, seconds per step): the tree has drafts after a rejection, the chain does not
     speed = {"tree": (9, 0.003), "chain": (6, 0.002), "plain": (0, 0.0012)}
@@ -413,7 +413,7 @@ def test_auto_warm_up_drops_a_layout_one_call_showed_far_slower():
     """Successive elimination: after one call each, a layout below CONTENTION x the best rate gets no more warm-up
     calls, so a short process spends its few calls on the contenders (plain steps at 1 token per forward against
     drafts at ~3, here)."""
-    record = policy_module.CallRecord()
+    record = policy_module.CallRecord(untimed=0)
     speed = {"tree": (9, 0.003), "chain": (6, 0.0022), "plain": (0, 0.0025)}
     seen = []
     while record.best() is None:
@@ -423,6 +423,23 @@ def test_auto_warm_up_drops_a_layout_one_call_showed_far_slower():
     assert seen[:3] == ["tree", "chain", "plain"]  # each once, in that order
     assert seen.count("plain") == 1 and seen.count("tree") == seen.count("chain") == policy_module.WARM_CALLS
     assert record.best() == "chain" and len(seen) == 2 * policy_module.WARM_CALLS + 1  # 2.2 tok per 2.2 ms
+
+
+def test_a_records_first_call_is_not_timed():
+    """A process's first call for a model and batch size pays one-time costs; timed, they would fall on the
+    warm-up's first layout, the tree, and one such call (here 3x a warm one) would drop it from contention. Its
+    draft counts are kept; the tree is timed again on the next call and, the fastest, is kept."""
+    speed = {"tree": (9, 0.0025), "chain": (6, 0.0022), "plain": (0, 0.0012)}
+    for untimed, kept in ((1, "tree"), (0, "chain")):  # (0: as before the rule; the cold call's time counted)
+        record, seen = policy_module.CallRecord(untimed=untimed), []
+        while record.best() is None:
+            layout = record.choose()
+            cold = 3.0 if not seen else 1.0
+            seen.append(layout)
+            record.observe(layout, _calls(speed[layout][0]), 10, 10 * speed[layout][1] * cold)
+        assert seen[:2 + untimed] == ["tree"] * (1 + untimed) + ["chain"] and record.best() == kept, untimed
+        assert record.calls["tree"] == seen.count("tree")  # every call is counted, the untimed one included
+    assert record.drafted_steps > 0
 
 
 def test_default_verify_follows_the_record_and_stays_greedy(peaky, monkeypatch):
@@ -474,7 +491,7 @@ def test_where_a_tree_is_refused_auto_measures_the_chain_against_plain_steps(mak
         seen += [layout for layout in chosen if chosen[layout] > before.get(layout, 0)]
         if seen[-1] == "plain":
             assert out.mars_forward_passes.tolist() == out.mars_emitted_tokens.tolist()  # one token per forward
-    assert seen[:2] == ["chain", "plain"] and record.best() in ("chain", "plain")
+    assert seen[:3] == ["chain", "chain", "plain"] and record.best() in ("chain", "plain")  # (the first: untimed)
     assert record.calls == chosen and sum(record.calls.values()) == len(seen)
     calls = dict(record.calls)
     model.generate(**enc, mars_verify=True, do_sample=True, max_new_tokens=8)

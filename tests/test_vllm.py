@@ -54,6 +54,48 @@ def test_speculative_config_builds_and_refuses_unknown_options():
     for bad in ("4:4", "1:4,1:2", "1:4,x", "1:-1"):
         with pytest.raises(ValueError, match="batch_ladder"):
             speculative_config(batch_ladder=bad)
+    assert speculative_config(tau_ladder="0:1.0,8:0.95")["speculator_options"] == {"tau_ladder": "0:1.0,8:0.95"}
+    for bad in ("1:1.0", "0:1.0,0:0.9", "0:1.5", "0:x"):
+        with pytest.raises(ValueError, match="tau_ladder"):
+            speculative_config(tau_ladder=bad)
+    assert options.plugin_config({"tau_ladder": "0:1,8:0.95"}) == {"tau_ladder": "0:1,8:0.95"}
+    assert options.plugin_config({"block_size": 2}) == {}
+
+
+def test_a_requests_threshold_is_checked_at_admission():
+    assert options.request_threshold({}, 0.0) is None
+    assert options.request_threshold({"other": 1}, 0.7) is None
+    assert options.request_threshold({"mars_threshold": 0.9}, 0.0) == 0.9
+    assert options.request_threshold({"mars_threshold": 1}, 0.8) == 1.0  # lossless: any temperature
+    for bad, match in (({"mars_threshold": 1.5}, r"\[0, 1\]"), ({"mars_threshold": "0.9"}, r"\[0, 1\]"),
+                       ({"mars_threshold": True}, r"\[0, 1\]"), ({"mars_treshold": 0.9}, "unknown MARS")):
+        with pytest.raises(ValueError, match=match):
+            options.request_threshold(bad, 0.0)
+    with pytest.raises(ValueError, match="needs temperature 0"):
+        options.request_threshold({"mars_threshold": 0.9}, 0.7)
+    # vLLM >= 0.34's path has no threshold mode yet: tau < 1 is refused there, not served losslessly in silence
+    assert options.request_threshold({"mars_threshold": 1.0}, 0.0, threshold_mode=False) == 1.0
+    with pytest.raises(ValueError, match="0.32-0.33's path only"):
+        options.request_threshold({"mars_threshold": 0.9}, 0.0, threshold_mode=False)
+    ns = types.SimpleNamespace
+    assert options.runs_mars(ns(method="custom_class", model=options.PROPOSER))
+    assert options.runs_mars(ns(method="custom", custom_method="mars"))
+    assert not options.runs_mars(ns(method="custom_class", model="my.Proposer"))
+    assert not options.runs_mars(None) and not options.runs_mars(ns(method="ngram", model=None))
+
+
+def test_trusted_drafts_pass_only_where_sure_and_allowed():
+    import torch
+
+    from hf_mars.vllm.drafts import pass_trusted, trusted
+
+    assert trusted([0.99, 0.5, 1.0], None) == [False] * 3
+    assert trusted([0.99, 0.5, 1.0], 1.0) == [False] * 3  # tau = 1 trusts nothing, even a certain mask
+    assert trusted([0.99, 0.5, 1.0], 0.9) == [True, False, True]
+    logits = torch.tensor([[3.0, 1.0, 0.0], [0.0, 5.0, float("-inf")], [2.0, 0.0, 1.0]])
+    out = pass_trusted(logits.clone(), torch.tensor([1, 2, 2]), [0, 1])
+    assert out.argmax(-1).tolist() == [1, 1, 0]  # row 0 passes its draft; row 1's is forbidden; row 2 not trusted
+    assert out[0, 1] == 4.0 and torch.equal(out[1:], logits[1:])
 
 
 def test_translation_to_vllm_and_refusals():
@@ -272,6 +314,57 @@ def test_mask_token_never_emitted_even_when_sampling(engines, checkpoint):
     assert sum(map(len, sampled)) == 32 * 64 and not any(mask_id in t for t in sampled)
 
 
+def _steps_and_accepted(llm, prompts, **sampling):
+    before = _counters(llm)
+    out = _tokens(llm, prompts, **sampling)
+    after = _counters(llm)
+    steps, accepted = (after[f"vllm:spec_decode_num_{k}"] - before.get(f"vllm:spec_decode_num_{k}", 0)
+                       for k in ("drafts", "accepted_tokens"))
+    return out, steps, accepted
+
+
+@needs_vllm
+def test_threshold_mode_per_request(engines):
+    """A request's mars_threshold: tau = 1 is plain greedy, alone or beside rows that trust every draft in the
+    same batch; tau = 0 passes every draft, so each step after the first emits B + 1 tokens."""
+    from vllm import SamplingParams
+
+    plain, mars = engines
+    prompts = _prompts(12, seed=5)
+    greedy = _tokens(plain, prompts, ignore_eos=True)
+    assert _tokens(mars, prompts, ignore_eos=True, extra_args={"mars_threshold": 1.0}) == greedy
+    mixed = mars.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True,
+                                                   extra_args={"mars_threshold": 1.0 if i % 2 else 0.0})
+                                    for i in range(len(prompts))])
+    mixed = [list(o.outputs[0].token_ids) for o in mixed]
+    assert mixed[1::2] == greedy[1::2]
+    assert mixed[0::2] != greedy[0::2], "tau = 0 never changed a token: the check could not fail"
+    _, lossless_steps, lossless_accepted = _steps_and_accepted(mars, prompts, ignore_eos=True)
+    trusting, steps, accepted = _steps_and_accepted(mars, prompts, ignore_eos=True,
+                                                    extra_args={"mars_threshold": 0.0})
+    assert all(len(t) == 48 for t in trusting)
+    assert accepted >= BLOCK * (steps - 2 * len(prompts)) and steps < lossless_steps / 2
+    assert accepted / steps > 2 * max(lossless_accepted / lossless_steps, 0.1)
+
+
+@needs_vllm
+def test_a_bad_threshold_is_refused_at_admission_and_the_engine_serves_on(engines):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    plain, mars = engines
+    prompts = _prompts(2, seed=6)
+    for extra, temperature, match in (({"mars_threshold": 1.5}, 0.0, r"\[0, 1\]"),
+                                      ({"mars_threshold": "0.9"}, 0.0, r"\[0, 1\]"),
+                                      ({"mars_treshold": 0.9}, 0.0, "unknown MARS"),
+                                      ({"mars_threshold": 0.9}, 0.8, "needs temperature 0")):
+        with pytest.raises(VLLMValidationError, match=match):
+            mars.generate(prompts, SamplingParams(temperature=temperature, max_tokens=8, extra_args=extra))
+    with pytest.raises(VLLMValidationError, match="does not run the speculative method 'mars'"):
+        plain.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, extra_args={"mars_threshold": 0.9}))
+    assert _tokens(mars, prompts) == _tokens(plain, prompts)
+
+
 @needs_vllm
 def test_refusals_before_engine_start(checkpoint, tmp_path):
     from vllm.engine.arg_utils import EngineArgs
@@ -334,6 +427,27 @@ def test_openai_server_with_the_plugin(engines, checkpoint, tmp_path):
         prompt = "abc abc abc abc"
         r = client.completions.create(model=str(checkpoint), prompt=prompt, max_tokens=32, temperature=0)
         assert r.choices[0].text == plain.generate([prompt], _sampling(max_tokens=32))[0].outputs[0].text
+        exact = client.completions.create(model=str(checkpoint), prompt=prompt, max_tokens=32, temperature=0,
+                                          extra_body={"vllm_xargs": {"mars_threshold": 1.0}})
+        assert exact.choices[0].text == r.choices[0].text
+        # the request field hf-mars serve reads works here too: tau = 0 trusts every draft, so the text changes
+        chat = dict(model=str(checkpoint), messages=[{"role": "user", "content": prompt}], max_tokens=32,
+                    temperature=0)
+        assert client.chat.completions.create(**chat, extra_body={"mars_threshold": 1.0}).choices[0].message.content \
+            == client.chat.completions.create(**chat).choices[0].message.content
+        trusting = client.completions.create(model=str(checkpoint), prompt=prompt, max_tokens=32, temperature=0,
+                                             extra_body={"mars_threshold": 0.0})
+        assert trusting.choices[0].text != r.choices[0].text
+        for extra in ({"vllm_xargs": {"mars_threshold": 2}}, {"mars_threshold": 2}, {"mars_treshold": 0.5},
+                      {"mars_threshold": 0.5, "vllm_xargs": {"mars_threshold": 1.0}}):
+            with pytest.raises(openai.BadRequestError, match="mars_t") as refused:
+                client.completions.create(model=str(checkpoint), prompt=prompt, max_tokens=8, temperature=0,
+                                          extra_body=extra)
+            assert refused.value.status_code == 400, extra
+        with pytest.raises(openai.BadRequestError, match="needs temperature 0"):
+            client.chat.completions.create(**{**chat, "temperature": 0.7}, extra_body={"mars_threshold": 0.9})
+        assert client.completions.create(model=str(checkpoint), prompt=prompt, max_tokens=32,
+                                         temperature=0).choices[0].text == r.choices[0].text  # still serving
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert "vllm:spec_decode_num_drafts_total" in metrics
     finally:
@@ -391,6 +505,25 @@ def test_lossless_with_a_batch_ladder(engines, checkpoint):
     prompts = _prompts(24, seed=4)
     laddered = _llm(checkpoint, speculative_config(batch_ladder="1:4,4:2,12:0"))
     assert _tokens(laddered, prompts) == _tokens(plain, prompts)
+    del laddered
+
+
+@needs_vllm
+def test_tau_ladder_by_load(engines, checkpoint):
+    """tau_ladder "0:1.0,4:0.0": a request alone is served losslessly; in a batch of 4 or more, greedy rows trust
+    every draft, except a row that sends its own mars_threshold 1.0, and sampled rows stay verified."""
+    from vllm import SamplingParams
+
+    plain, _ = engines
+    prompts = _prompts(8, seed=7)
+    greedy = _tokens(plain, prompts, ignore_eos=True)
+    laddered = _llm(checkpoint, speculative_config(tau_ladder="0:1.0,4:0.0"))
+    assert _tokens(laddered, prompts[:1], ignore_eos=True) == greedy[:1]
+    burst = laddered.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True,
+                                                       extra_args={"mars_threshold": 1.0} if i == 0 else None)
+                                        for i in range(len(prompts))])
+    burst = [list(o.outputs[0].token_ids) for o in burst]
+    assert burst[0] == greedy[0] and burst[1:] != greedy[1:]
     del laddered
 
 

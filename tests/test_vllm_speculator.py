@@ -86,10 +86,17 @@ def test_0_32_translation_reads_speculator_options():
     target = SimpleNamespace(hf_config=_config(), tokenizer="/nonexistent-tokenizer", trust_remote_code=False)
     for spec in (speculative_config(block_size=2, batch_ladder="1:2,8:0"),
                  {"method": "mars", "block_size": 2, "batch_ladder": "1:2,8:0"}):
-        engine_args = SimpleNamespace(speculative_config=spec, spec_method=None, spec_model=None, spec_tokens=None)
+        engine_args = SimpleNamespace(speculative_config=spec, spec_method=None, spec_model=None, spec_tokens=None,
+                                      additional_config={})
         wrapped(engine_args, target, None)
+        assert engine_args.additional_config == {}
     assert seen[0] == seen[1] == {"method": "custom_class", "model": options.PROPOSER, "num_speculative_tokens": 4,
                                   "num_speculative_tokens_per_batch_size": [(1, 7, 4), (8, 1 << 20, 0)]}
+    # the tau ladder reaches the workers through vLLM's additional_config, beside what the user put there
+    engine_args = SimpleNamespace(speculative_config=speculative_config(tau_ladder="0:1,4:0.9"), spec_method=None,
+                                  spec_model=None, spec_tokens=None, additional_config={"theirs": 1})
+    wrapped(engine_args, target, None)
+    assert engine_args.additional_config == {"theirs": 1, "hf_mars": {"tau_ladder": "0:1,4:0.9"}}
 
 
 # ------------------------------------------------------------------ vLLM >= 0.34, on a fake vLLM module tree
@@ -133,8 +140,36 @@ def fake_vllm(monkeypatch):
             raise state.fail
         state.registered[name] = config_cls
 
+    class InputProcessor:  # what the admission wrapper wraps (fresh per test: the plugin patches it)
+        speculative_config = SimpleNamespace(method="custom", custom_method="mars")
+
+        def _validate_params(self, params, supported_tasks):
+            return None
+
+    class CompletionRequest:  # an OpenAI request with an unknown top-level field
+        model_extra = {"mars_threshold": 0.5}
+
+        def to_sampling_params(self, max_tokens, default_sampling_params=None):
+            return SamplingParams(extra_args=None)
+
+    class SamplingParams:
+        def __init__(self, extra_args=None, temperature=0.0):
+            self.extra_args, self.temperature = extra_args, temperature
+
+    class VLLMValidationError(Exception):
+        def __init__(self, message, parameter=None):
+            super().__init__(message)
+
+    state.classes = SimpleNamespace(InputProcessor=InputProcessor, CompletionRequest=CompletionRequest,
+                                    SamplingParams=SamplingParams, VLLMValidationError=VLLMValidationError)
     leaves = {"vllm": {"__version__": "0.34.0"},
               "vllm.engine.arg_utils": {"EngineArgs": _FakeEngineArgs},
+              "vllm.v1.engine.input_processor": {"InputProcessor": InputProcessor},
+              "vllm.entrypoints.openai.completion.protocol": {"CompletionRequest": CompletionRequest},
+              "vllm.entrypoints.openai.chat_completion.protocol": {"ChatCompletionRequest": type(
+                  "ChatCompletionRequest", (CompletionRequest,), {})},
+              "vllm.sampling_params": {"SamplingParams": SamplingParams},
+              "vllm.exceptions": {"VLLMValidationError": VLLMValidationError},
               "vllm.v1.worker.gpu.spec_decode.speculator_config": {
                   "SpeculatorConfig": _FakeSpeculatorConfig,
                   "register_speculative_method": register_speculative_method},
@@ -183,6 +218,15 @@ def test_install_registers_mars_where_vllm_has_the_registry(fake_vllm, monkeypat
     assert "hf_mars.vllm.speculator_gpu" not in sys.modules  # vLLM's rule: config modules run in every process
     assert _FakeEngineArgs(speculative_config={"method": "mars"}).create_speculative_config(None, None) == \
         "vLLM's own"  # no wrapper on this path: vLLM validates "mars" itself
+    # the one wrapper: no threshold mode here yet, so a request's tau < 1 is refused rather than served losslessly
+    fake = fake_vllm.classes
+    params = fake.CompletionRequest().to_sampling_params(8)  # the top-level field joins the request's extra_args
+    assert params.extra_args == {"mars_threshold": 0.5}
+    with pytest.raises(fake.VLLMValidationError, match="0.32-0.33's path only"):
+        fake.InputProcessor()._validate_params(params, ())
+    fake.InputProcessor()._validate_params(fake.SamplingParams({"mars_threshold": 1.0}), ())
+    with pytest.raises(ValueError, match="tau_ladder"):
+        config.configure(_spec(speculator_options={"tau_ladder": "0:1.0,4:0.9"}))
 
 
 @pytest.mark.parametrize("failure", ["registration raises", "a contract moved"])

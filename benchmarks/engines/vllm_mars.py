@@ -3,10 +3,13 @@
 For each engine setting one OpenAI-compatible vLLM server is started (in this script's environment, which must
 have vLLM and hf-mars installed: the plugin makes {"method": "mars"} available) and the demo's 192 held-out
 questions are sent: one request at a time, all at once (a burst), and as Poisson arrivals at 0.5, 1 and 2 times
-plain vLLM's burst throughput (`mars_ladder` is MARS with `batch_ladder`: fewer masks in large batches). Per
+plain vLLM's burst throughput (`mars_ladder` is MARS with `batch_ladder`: fewer masks in large batches;
+`mars_tau0.9` sends each request's own `mars_threshold` 0.9 through `vllm_xargs`; `mars_tau_ladder` is threshold
+mode by load, lossless below 4 requests in a step). Per
 scenario: mean acceptance length (tokens per target forward over the steps that drafted, from vLLM's own
-`vllm:spec_decode_*` counters), requests/s, p50/p95 latency, accuracy, requests lost, and how many answers equal
-plain vLLM's (greedy: lossless means all).
+`vllm:spec_decode_*` counters), requests/s, completion tokens/s (threshold mode may change how long answers
+are), p50/p95 latency, accuracy, requests lost (and why), and how many answers equal plain vLLM's (greedy:
+lossless means all).
 
     VLLM_CPU_KVCACHE_SPACE=1 python benchmarks/engines/vllm_mars.py --model /path/to/mars-checkpoint \
         --out benchmarks/engines/vllm_mars.json
@@ -38,7 +41,11 @@ SETTINGS = {  # name -> --speculative-config (None: plain)
     "mars": {"method": "mars"},
     # B by the number of requests in a step: B = 4 up to 3, 2 up to 11, plain steps from 12 (vLLM's dynamic SD)
     "mars_ladder": {"method": "mars", "speculator_options": {"batch_ladder": "1:4,4:2,12:0"}},
+    "mars_tau0.9": {"method": "mars"},
+    # threshold mode by the number of requests in a step: lossless up to 3, tau 0.95 from 4, 0.9 from 12
+    "mars_tau_ladder": {"method": "mars", "speculator_options": {"tau_ladder": "0:1.0,4:0.95,12:0.9"}},
 }
+XARGS = {"mars_tau0.9": {"mars_threshold": 0.9}}  # name -> each request's vllm_xargs
 
 
 def start_server(model, port, spec, log):
@@ -71,7 +78,7 @@ def spec_counters(port) -> tuple[float, float]:
     return total("spec_decode_num_drafts"), total("spec_decode_num_accepted_tokens")
 
 
-async def scenario(client, model, port, examples, arrivals):
+async def scenario(client, model, port, examples, arrivals, xargs=None):
     """Send every example, the i-th at arrivals[i] seconds (None: one at a time, each after the last answer)."""
     drafts0, accepted0 = spec_counters(port)
 
@@ -80,10 +87,11 @@ async def scenario(client, model, port, examples, arrivals):
         t = time.perf_counter()
         try:
             r = await client.chat.completions.create(model=model, messages=[example["messages"][0]],
-                                                     temperature=0, max_tokens=64)
-            return r.choices[0].message.content, time.perf_counter() - t
+                                                     temperature=0, max_tokens=64,
+                                                     extra_body={"vllm_xargs": xargs} if xargs else None)
+            return r.choices[0].message.content, time.perf_counter() - t, r.usage.completion_tokens
         except Exception as e:  # noqa: BLE001 - a lost request is a result here
-            return e, time.perf_counter() - t
+            return e, time.perf_counter() - t, 0
 
     start = time.perf_counter()
     if arrivals is None:
@@ -92,15 +100,18 @@ async def scenario(client, model, port, examples, arrivals):
         results = await asyncio.gather(*(one(e, a) for e, a in zip(examples, arrivals)))
     seconds = time.perf_counter() - start
     drafts, accepted = (b - a for a, b in zip((drafts0, accepted0), spec_counters(port)))
-    texts = [r if isinstance(r, str) else None for r, _ in results]
-    lat = sorted(s for _, s in results)
+    texts = [r if isinstance(r, str) else None for r, _, _ in results]
+    lat = sorted(s for _, s, _ in results)
+    tokens = sum(n for _, _, n in results)
     ok = [t for t in texts if t is not None]
     acc = data.accuracy([e["task"] for e in examples], [t or "" for t in texts],
                         [e["messages"][1]["content"] for e in examples])["overall"]
     return {"acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
-            "requests_per_s": round(len(examples) / seconds, 2), "p50_s": round(statistics.median(lat), 4),
+            "requests_per_s": round(len(examples) / seconds, 2), "tokens_per_s": round(tokens / seconds, 1),
+            "completion_tokens": tokens, "p50_s": round(statistics.median(lat), 4),
             "p95_s": round(lat[int(0.95 * (len(lat) - 1))], 4), "accuracy": acc,
-            "lost": len(examples) - len(ok), "texts": texts}
+            "lost": len(examples) - len(ok), "texts": texts,
+            "lost_because": sorted({f"{type(r).__name__}: {r}"[:200] for r, _, _ in results if not isinstance(r, str)})}
 
 
 def poisson(rate, n, seed):
@@ -118,13 +129,14 @@ async def run_setting(name, args, capacity):
         client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
         try:
             examples = data.generate_examples(args.requests, seed=1, split="eval")
-            await scenario(client, args.model, port, examples[:8], None)  # warm-up, not counted
-            out = {"one_at_a_time": await scenario(client, args.model, port, examples, None),
-                   "burst": await scenario(client, args.model, port, examples, [0.0] * len(examples))}
+            xargs = XARGS.get(name)
+            await scenario(client, args.model, port, examples[:8], None, xargs)  # warm-up, not counted
+            out = {"one_at_a_time": await scenario(client, args.model, port, examples, None, xargs),
+                   "burst": await scenario(client, args.model, port, examples, [0.0] * len(examples), xargs)}
             capacity = capacity or out["burst"]["requests_per_s"]
             for factor in (0.5, 1.0, 2.0):
                 arrivals = poisson(factor * capacity, len(examples), seed=int(factor * 10))
-                out[f"poisson_{factor:g}x"] = await scenario(client, args.model, port, examples, arrivals)
+                out[f"poisson_{factor:g}x"] = await scenario(client, args.model, port, examples, arrivals, xargs)
             return out, capacity
         finally:
             await client.close()
@@ -144,6 +156,7 @@ async def main(args):
             r["same_as_plain"] = sum(a == b and a is not None for a, b in zip(r["texts"], base))
     report = {"command": " ".join(["python"] + sys.argv), "model": args.model, "requests": args.requests,
               "plain_capacity_requests_per_s": capacity, "settings": {k: SETTINGS[k] for k in results},
+              "request_args": {k: XARGS[k] for k in results if k in XARGS},
               "results": {n: {k: {m: v for m, v in r.items() if m != "texts"} for k, r in res.items()}
                           for n, res in results.items()}}
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

@@ -350,6 +350,7 @@ WARM_CALLS = 3  # calls of each layout still in contention before the fastest is
 # elimination): a short process should not spend its few calls confirming what one call showed (plain steps at
 # 1 token per forward against drafts at 2.7, say); this margin is about twice a single call's timing noise here
 CONTENTION = 0.75
+COLD_CALLS = 1  # a record's first call is not timed (`CallRecord.untimed`)
 PROBE_CALLS = 32  # calls with the fastest layout before another is tried again (the load may have changed)
 STEP_DECAY = 0.7  # per call of a layout, the weight left to its earlier calls' seconds and steps
 POOL_DECAY = 0.98  # per call, the weight left to earlier calls' draft counts (about the last 50 calls count)
@@ -374,6 +375,10 @@ class CallRecord:
     layouts: tuple = CALL_LAYOUTS  # what it chooses between, the warm-up's order
     step_decay: float = STEP_DECAY
     warm_calls: int = WARM_CALLS
+    # the record's first calls whose time is not kept (their draft counts are): a process's first call for a model
+    # and batch size pays one-time costs (allocations, kernel choices for new shapes) that would be charged to the
+    # warm-up's first layout, the tree, and could drop it from contention after one call
+    untimed: int = COLD_CALLS
     drafted_steps: float = 0.0  # every call (decayed by POOL_DECAY a call): row-steps that started with drafts ...
     drafted_tokens: float = 0.0  # ... and the tokens they emitted
     with_drafts: dict = dataclasses.field(default_factory=dict)  # layout -> [drafted row-steps, row-steps]
@@ -392,9 +397,10 @@ class CallRecord:
         return self.tokens_per_forward(layout) * steps / seconds
 
     def warming(self) -> str | None:
-        """The layout the warm-up runs next (None: it is over): each layout once, in ``layouts`` order, then
-        those still in contention (within ``CONTENTION`` of the best measured rate) until each has WARM_CALLS."""
-        untried = [layout for layout in self.layouts if not self.calls.get(layout)]
+        """The layout the warm-up runs next (None: it is over): each layout until it has a timed call, in
+        ``layouts`` order (the record's first call is not timed: ``untimed``), then those still in contention
+        (within ``CONTENTION`` of the best measured rate) until each has WARM_CALLS."""
+        untried = [layout for layout in self.layouts if layout not in self.step_seconds]
         if untried:
             return untried[0]
         top = max(self.rate(layout) for layout in self.layouts)
@@ -427,10 +433,13 @@ class CallRecord:
         drafted, total = self.with_drafts.get(layout, (0, 0))
         self.with_drafts[layout] = (POOL_DECAY * drafted + outputs.drafted_steps,
                                     POOL_DECAY * total + outputs.row_steps)
-        spent, stepped = self.step_seconds.get(layout, (0.0, 0))
-        self.step_seconds[layout] = (self.step_decay * spent + seconds, self.step_decay * stepped + steps)
         self.last_call[layout] = sum(self.calls.values())
         self.calls[layout] = self.calls.get(layout, 0) + 1
+        if self.untimed > 0:
+            self.untimed -= 1
+            return
+        spent, stepped = self.step_seconds.get(layout, (0.0, 0))
+        self.step_seconds[layout] = (self.step_decay * spent + seconds, self.step_decay * stepped + steps)
         best = self.best()
         self.since_probe = 0 if (best is not None and layout != best) else self.since_probe + 1
 

@@ -8,7 +8,7 @@ from ..generation import check_threshold
 class TauLadder:
     """``"0:1.0,2:0.99,6:0.95"``: from a load of 0 requests τ = 1.0, from 2 τ = 0.99, from 6 τ = 0.95."""
 
-    def __init__(self, spec: str):
+    def __init__(self, spec: str, name: str = "--tau-ladder"):
         rungs = []
         for part in str(spec).split(","):
             load, sep, tau = part.strip().partition(":")
@@ -17,16 +17,16 @@ class TauLadder:
                     raise ValueError
                 load_i, tau_f = int(load), float(tau)
             except ValueError:
-                raise ValueError(f"--tau-ladder: {part.strip()!r} is not LOAD:TAU (e.g. '0:1.0,4:0.99')") from None
+                raise ValueError(f"{name}: {part.strip()!r} is not LOAD:TAU (e.g. '0:1.0,4:0.99')") from None
             if load_i < 0:
-                raise ValueError(f"--tau-ladder: load {load_i} is negative; loads count requests (0, 1, 2, ...)")
-            check_threshold(tau_f, name="--tau-ladder τ")
+                raise ValueError(f"{name}: load {load_i} is negative; loads count requests (0, 1, 2, ...)")
+            check_threshold(tau_f, name=f"{name} τ")
             rungs.append((load_i, tau_f))
         loads = [load for load, _ in rungs]
         if loads != sorted(set(loads)):
-            raise ValueError(f"--tau-ladder: loads must increase strictly, got {loads}")
+            raise ValueError(f"{name}: loads must increase strictly, got {loads}")
         if loads[0] != 0:
-            raise ValueError("--tau-ladder: the first rung must start at load 0 (what an idle server uses)")
+            raise ValueError(f"{name}: the first rung must start at load 0 (what an idle server uses)")
         self.rungs = rungs
 
     def tau_for(self, load: int) -> float:

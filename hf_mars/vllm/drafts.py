@@ -8,6 +8,14 @@ token's logit, so verification always stops at the first mask. After the forward
   target then emitted all of them plus its own token at the first mask).
 - ``proposal``: the next step's speculative tokens, ``[new drafts | masks]``.
 
+Threshold mode (a request's ``mars_threshold``, or the engine's ``tau_ladder``): a draft passes verification when
+the target agrees with it *or* its mask was at least tau sure (``trusted``); the first draft that is neither
+gets the target's own token, as in lossless mode. The target's logits at a draft's position are conditioned on
+the drafts before it, trusted or not, so every token after a trusted one is still the target's choice given the
+text so far. tau = 1 trusts nothing (``rules.one_token``): plain greedy. It emits unverified confident mask
+predictions as hf-mars's ``generate`` does, one step later (they are fed, then passed), so at tau < 1 the two
+engines' texts differ; each is the model's greedy text except at trusted tokens.
+
 ``proposer.py`` (vLLM 0.32-0.33, ``custom_class``) and ``speculator_gpu.py`` (vLLM >= 0.34, a registered method)
 differ only in how they find the scheduled tokens and the hidden states, and in the width of a proposal.
 """
@@ -34,6 +42,31 @@ def proposal(drafts: Sequence[int], mask_id: int, block: int, width: int | None 
     as fill ``width`` (vLLM 0.34, where every request drafts the same number of tokens)."""
     head = list(drafts[:block])
     return head + [mask_id] * (block if width is None else width - len(head))
+
+
+def trusted(confidences: Sequence[float], tau: float | None) -> list[bool]:
+    """Which of a row's drafts pass without the target's agreement: those whose mask's top probability is >= tau
+    (None or tau = 1: none, lossless)."""
+    from hf_mars.generation.rules import one_token
+
+    if tau is None or one_token(tau):
+        return [False] * len(confidences)
+    return [c >= tau for c in confidences]
+
+
+def pass_trusted(target_logits, draft_token_ids, positions: Sequence[int]):
+    """Make the target's greedy choice the draft at each of ``positions`` (rows of ``target_logits``, indices into
+    the flat ``draft_token_ids``): its logit becomes the row's largest + 1, so vLLM's rejection sampler accepts
+    it. A draft the request's constraints forbid (a grammar, bad words, allowed tokens: a -inf logit) is left to
+    verification."""
+    import torch
+
+    index = torch.as_tensor(positions, device=target_logits.device)
+    drafts = draft_token_ids.to(target_logits.device)[index]
+    allowed = torch.isfinite(target_logits[index, drafts])
+    index, drafts = index[allowed], drafts[allowed]
+    target_logits[index, drafts] = target_logits[index].amax(-1) + 1.0
+    return target_logits
 
 
 def forbid_mask(model, mask_id: int) -> None:

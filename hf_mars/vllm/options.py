@@ -16,8 +16,10 @@ from __future__ import annotations
 
 METHOD = "mars"
 PROPOSER = "hf_mars.vllm.proposer.MarsProposer"
-OPTIONS = ("block_size", "batch_ladder")  # what a user may set next to the method; the rest comes from config.mars
+OPTIONS = ("block_size", "batch_ladder", "tau_ladder")  # what a user may set next to the method; the rest: config.mars
 OPTIONS_KEY = "speculator_options"  # vLLM's field for a registered method's own options (>= 0.34)
+PLUGIN_CONFIG_KEY = "hf_mars"  # VllmConfig.additional_config[...]: engine-wide options vLLM has no field for
+REQUEST_ARGS = ("mars_threshold",)  # a request's own, in SamplingParams.extra_args (the OpenAI server: vllm_xargs)
 
 
 def speculative_config(**options) -> dict:
@@ -28,8 +30,11 @@ def speculative_config(**options) -> dict:
     default). ``batch_ladder``: ``"BATCH:B,..."``, the block size by the number of requests in a step's batch,
     e.g. ``"1:4,16:2,48:0"`` (B = 0: plain steps, no masks); it runs on vLLM's dynamic speculative decoding
     (``num_speculative_tokens_per_batch_size``). Without one, a ladder is derived from measured step costs when
-    $HF_MARS_STEP_COSTS names an ``hf-mars bench`` report (`default_batch_ladder`). Unknown options are refused
-    here rather than deep inside engine start-up."""
+    $HF_MARS_STEP_COSTS names an ``hf-mars bench`` report (`default_batch_ladder`). ``tau_ladder``:
+    ``"LOAD:TAU,..."``, threshold mode by load for greedy requests without their own ``mars_threshold``, e.g.
+    ``"0:1.0,8:0.95"`` (from 8 requests in a step, trust drafts whose mask was >= 95% sure; the default is
+    lossless at every load: `trusted_drafts` says what a threshold does here). Unknown options are refused here
+    rather than deep inside engine start-up."""
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ValueError(f"hf_mars.vllm.speculative_config: unknown option(s) {unknown}; MARS takes only "
@@ -38,6 +43,8 @@ def speculative_config(**options) -> dict:
         _check_block_size(options["block_size"])
     if "batch_ladder" in options:
         parse_batch_ladder(options["batch_ladder"])
+    if "tau_ladder" in options:
+        parse_tau_ladder(options["tau_ladder"])
     return {"method": METHOD, OPTIONS_KEY: options} if options else {"method": METHOD}
 
 
@@ -62,11 +69,61 @@ def parse_batch_ladder(spec) -> list[tuple[int, int]]:
     return rungs
 
 
+def parse_tau_ladder(spec):
+    """``"0:1.0,8:0.95"`` -> the `TauLadder` ``hf-mars serve --tau-ladder`` reads, here keyed on the number of
+    requests in a step's batch (vLLM's worker does not see the queue; a request waits only while the batch is
+    full, so the batch is the load until then)."""
+    from hf_mars.serve.ladder import TauLadder
+
+    return TauLadder(spec, name="tau_ladder")
+
+
+def plugin_config(options: dict) -> dict:
+    """What the workers need beyond vLLM's speculative fields (``VllmConfig.additional_config["hf_mars"]``)."""
+    return {"tau_ladder": str(parse_tau_ladder(options["tau_ladder"]))} if "tau_ladder" in options else {}
+
+
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy
+
+
+def request_threshold(extra_args, temperature: float, threshold_mode: bool = True) -> float | None:
+    """A request's own ``mars_threshold`` (``SamplingParams.extra_args``; the OpenAI server's ``vllm_xargs``),
+    validated: None when it has none. Refused, at admission (an HTTP 400 on the server): a value outside [0, 1],
+    a misspelt ``mars_*`` key, and tau < 1 on a sampling request (threshold mode trusts the masks' top token, a
+    greedy choice; a sampled request is verified by vLLM's rejection sampler, exactly as without MARS), and
+    without ``threshold_mode`` (vLLM >= 0.34's path, which has none yet) any tau < 1."""
+    from hf_mars.generation.config import check_threshold
+
+    args = extra_args or {}
+    unknown = sorted(k for k in args if str(k).startswith("mars_") and k not in REQUEST_ARGS)
+    if unknown:
+        raise ValueError(f"unknown MARS request argument(s) {unknown}; vLLM's MARS reads only {list(REQUEST_ARGS)}.")
+    if "mars_threshold" not in args:
+        return None
+    tau = check_threshold(args["mars_threshold"])
+    if tau < 1.0 and not threshold_mode:
+        raise ValueError(f"mars_threshold={tau:g}: threshold mode runs on vLLM 0.32-0.33's path only; on this "
+                         "vLLM, MARS is lossless (mars_threshold 1.0 or none).")
+    if tau < 1.0 and temperature >= GREEDY_BELOW:
+        raise ValueError(f"mars_threshold={tau:g} needs temperature 0: threshold mode trusts the masks' greedy "
+                         "choice; a sampled request is served losslessly (mars_threshold 1.0 or none).")
+    return tau
+
+
 SERVED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
 def is_mars(spec) -> bool:
     return isinstance(spec, dict) and spec.get("method") == METHOD
+
+
+def runs_mars(speculative_config) -> bool:
+    """Whether an engine's speculative config runs MARS: our proposer as vLLM 0.32-0.33's ``custom_class``, or
+    the method registered on vLLM >= 0.34."""
+    if getattr(speculative_config, "custom_method", None) == METHOD:
+        return True
+    return getattr(speculative_config, "method", None) == "custom_class" \
+        and getattr(speculative_config, "model", None) == PROPOSER
 
 
 def _check_block_size(value) -> int:

@@ -11,16 +11,22 @@ argmax (mask excluded) are the next drafts. They are valid only when every draft
 masks saw those drafts as context); otherwise the next step feeds B masks only, a plain AR step that also drafts.
 No second model, no extra forward: the only extra work is the B masks' positions and B rows of the LM head.
 
+Threshold mode (``drafts.py``): each draft's confidence, its mask's top probability, is kept with it per request
+(``trust``); at the next step's verification ``trusted_positions`` names the scheduled drafts that pass anyway.
+
 vLLM's ``custom_class`` interface passes a proposer token ids only, so ``_patches.py`` routes the runner's
-hidden states to ``propose_mars``; ``propose`` itself refuses, clearly, if that routing is missing.
+hidden states to ``propose_mars`` (and the trusted drafts to vLLM's rejection sampler); ``propose`` itself
+refuses, clearly, if that routing is missing.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .drafts import forbid_mask, mask_span, proposal
-from .options import checkpoint_facts
+from hf_mars.generation.rules import confidence
+
+from .drafts import forbid_mask, mask_span, proposal, trusted
+from .options import GREEDY_BELOW, PLUGIN_CONFIG_KEY, checkpoint_facts, parse_tau_ladder
 
 MISSING_PATCH = ("hf_mars.vllm: the MARS proposer was called through vLLM's plain custom_class interface, which "
                  "carries no hidden states: the hf-mars vLLM plugin is not active in this process. Check that "
@@ -39,6 +45,9 @@ class MarsProposer:
         self.block = k // 2
         self.max_model_len = vllm_config.model_config.max_model_len
         self.model = None
+        ladder = ((getattr(vllm_config, "additional_config", None) or {}).get(PLUGIN_CONFIG_KEY) or {}).get("tau_ladder")
+        self.ladder = parse_tau_ladder(ladder) if ladder else None
+        self.trust: dict = {}  # request id -> (its drafts, which pass unverified): the last proposal's
 
     def load_model(self, target_model) -> None:
         """Keep the target (its LM head drafts) and make it never predict the mask token (``forbid_mask``)."""
@@ -48,15 +57,46 @@ class MarsProposer:
     def propose(self, *args, **kwargs):
         raise RuntimeError(MISSING_PATCH)
 
+    def thresholds(self, requests, req_ids) -> list:
+        """Each row's tau (None: lossless): the request's own ``mars_threshold`` (validated at admission), else for
+        a greedy request the engine's ``tau_ladder`` at this step's load (its number of requests)."""
+        out = []
+        for req_id in req_ids:
+            params = requests[req_id].sampling_params
+            own = (params.extra_args or {}).get("mars_threshold") if params is not None else None
+            greedy = params is not None and params.temperature < GREEDY_BELOW
+            out.append(float(own) if own is not None else
+                       self.ladder.tau_for(len(req_ids)) if self.ladder is not None and greedy else None)
+        return out
+
+    def trusted_positions(self, req_ids, spec_decode_metadata) -> list[int]:
+        """The drafts scheduled this step that pass without the target's agreement, as indices into
+        ``spec_decode_metadata.draft_token_ids`` (vLLM's target-logits rows): the last proposal's trusted drafts,
+        while the scheduled tokens are still those drafts."""
+        if not self.trust or spec_decode_metadata is None:
+            return []
+        scheduled = spec_decode_metadata.draft_token_ids.tolist()
+        out, start = [], 0
+        for req_id, count in zip(req_ids, spec_decode_metadata.num_draft_tokens):
+            drafts, passes = self.trust.get(req_id, ((), ()))
+            for j, (draft, passing) in enumerate(zip(drafts, passes)):
+                if j >= count or scheduled[start + j] != draft:
+                    break
+                if passing:
+                    out.append(start + j)
+            start += count
+        return out
+
     @torch.inference_mode()
     def propose_mars(self, sampled_token_ids, sample_hidden_states, spec_decode_metadata, num_tokens_no_spec,
-                     num_spec_tokens=None):
+                     num_spec_tokens=None, req_ids=None, taus=None):
         """Next speculative tokens per request, in batch order: ``[new drafts | B masks]``.
 
         ``sample_hidden_states`` holds, per request, one row per scheduled speculative token plus one (vLLM's
         logits rows); ``spec_decode_metadata`` says how many and which tokens were scheduled (None when none
         were). ``drafts.py`` says which masks to read and what to propose.
-        ``num_spec_tokens``: what vLLM's scheduler allows next step (2B, or less under ``batch_ladder``)."""
+        ``num_spec_tokens``: what vLLM's scheduler allows next step (2B, or less under ``batch_ladder``);
+        ``req_ids`` / ``taus``: the rows' request ids and thresholds (`thresholds`; None: lossless)."""
         block = self.block if num_spec_tokens is None else min(self.block, num_spec_tokens // 2)
         counts = [0] * len(sampled_token_ids)
         scheduled: list = []
@@ -70,13 +110,23 @@ class MarsProposer:
                 rows.extend(range(offset + first + 1, offset + first + count + 1))
                 owners.append((i, count))
             offset, start = offset + n + 1, start + n
-        drafts = {}
+        drafts, sure = {}, {}
         if rows:
             index = torch.tensor(rows, device=sample_hidden_states.device)
-            tokens = self.model.compute_logits(sample_hidden_states[index]).argmax(-1).tolist()
+            logits = self.model.compute_logits(sample_hidden_states[index])
+            tokens = logits.argmax(-1).tolist()
+            if taus is not None and any(tau is not None for tau in taus):
+                confidences = confidence("probability", None, scores=logits.float(), of_distribution=True).tolist()
+            else:
+                confidences = [0.0] * len(tokens)
             at = 0
             for i, n in owners:
-                drafts[i], at = tokens[at:at + n], at + n
+                drafts[i], sure[i], at = tokens[at:at + n], confidences[at:at + n], at + n
+        self.trust = {}
+        for i in drafts:
+            passes = trusted(sure[i], taus[i] if taus is not None else None)
+            if any(passes):
+                self.trust[req_ids[i]] = (drafts[i], passes)
         out = []
         for i, sampled in enumerate(sampled_token_ids):
             if not sampled or not block:  # a prefill chunk, a discarded row, or a plain step (batch_ladder)

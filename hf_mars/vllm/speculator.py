@@ -46,8 +46,11 @@ class MarsSpeculatorConfig(SpeculatorConfig):
         if target is None:
             raise ValueError("speculative method 'mars' needs the target model's config (vLLM builds it from "
                              "--model); none was given to SpeculativeConfig.")
-        settings = mars_settings(user_options({"method": METHOD, OPTIONS_KEY: spec.speculator_options or {}}),
-                                 target.hf_config)
+        options = user_options({"method": METHOD, OPTIONS_KEY: spec.speculator_options or {}})
+        if "tau_ladder" in options:
+            raise ValueError("speculative method 'mars': tau_ladder (threshold mode) runs on vLLM 0.32-0.33's path "
+                             "only; on this vLLM, MARS is lossless.")
+        settings = mars_settings(options, target.hf_config)
         clashes = [f"{name}={getattr(spec, name)!r}" for name in SET if getattr(spec, name) is not None]
         clashes += [f"{name}={getattr(spec, name)!r}" for name, value in KEEP.items() if getattr(spec, name) != value]
         if getattr(spec.target_parallel_config, "enable_batch_sharded_sampling", False):
