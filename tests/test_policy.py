@@ -313,7 +313,9 @@ def test_the_ladder_drafts_less_as_the_batch_makes_width_costly():
     assert ladder[0] == (1, 4)  # a wide step is free at batch 1
     blocks = [b for _, b in ladder]
     assert blocks == sorted(blocks, reverse=True) and blocks[-1] < 4
-    assert policy_module.per_depth_from_tokens(policy_module.expected_chain_tokens(0.7, 4), 4) == pytest.approx(0.7)
+    from hf_mars.vllm.ladder import expected_chain_tokens, per_depth_from_tokens
+
+    assert per_depth_from_tokens(expected_chain_tokens(0.7, 4), 4) == pytest.approx(0.7)
     weak = parse_batch_ladder(default_batch_ladder(4, _report(per_forward_b1=1.05)))
     assert weak[-1][1] == 0 and weak[-1][0] <= ladder[-1][0]  # weak drafts: plain steps, and sooner
 

@@ -240,7 +240,7 @@ def test_install_steps_aside_without_raising(fake_vllm, monkeypatch, caplog, fai
         fake_vllm.fail = ValueError("Speculative method 'mars' is already registered.")
         reason = "registering failed (ValueError: Speculative method 'mars' is already registered.)"
     else:  # the real check_contracts_v2, against a tree without vllm.model_executor
-        reason = "its internals moved (ModuleNotFoundError"
+        reason = "its internals moved ("  # (ModuleNotFoundError; ImportError where real vLLM modules are loaded)
     with caplog.at_level("WARNING", logger="vllm.hf_mars"):
         _patches.install()
     assert fake_vllm.registered == {}

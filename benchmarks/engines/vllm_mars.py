@@ -13,6 +13,14 @@ lossless means all).
 
     VLLM_CPU_KVCACHE_SPACE=1 python benchmarks/engines/vllm_mars.py --model /path/to/mars-checkpoint \
         --out benchmarks/engines/vllm_mars.json
+
+Servers run one after another, so on a shared machine their ratios carry its drift. ``--interleaved N`` times
+plain vLLM against MARS in one process instead (two offline engines; each ``--thresholds`` tau through the same
+MARS engine, ``-1`` for lossless), in turn, N times: a burst of every question, then the first
+``--one-at-a-time`` questions one by one; medians, ratios against plain taken in the same round:
+
+    VLLM_CPU_KVCACHE_SPACE=1 python benchmarks/engines/vllm_mars.py --model /path/to/mars-checkpoint \
+        --interleaved 3 --out benchmarks/engines/vllm_threshold.json
 """
 
 import argparse
@@ -163,6 +171,67 @@ async def main(args):
     print(json.dumps(report["results"], indent=1))
 
 
+def interleaved(args):
+    """``--interleaved`` (module docstring)."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    examples = data.generate_examples(args.requests, seed=1, split="eval")
+    prompts = [tok.apply_chat_template([e["messages"][0]], tokenize=False, add_generation_prompt=True)
+               for e in examples]
+    common = dict(model=args.model, dtype="float32", max_model_len=256, seed=0, disable_log_stats=False)
+    engines = {"plain": LLM(**common), "mars": LLM(**common, speculative_config={"method": "mars"})}  # (the last
+    settings = [("plain", None)] + [("mars", None if tau < 0 else tau) for tau in args.thresholds]  # owns metrics)
+
+    def params(tau):
+        return SamplingParams(temperature=0.0, max_tokens=64, extra_args=None if tau is None else
+                              {"mars_threshold": tau})
+
+    def counters():
+        got = {m.name: m.value for m in engines["mars"].get_metrics() if hasattr(m, "value")}
+        return got.get("vllm:spec_decode_num_drafts", 0), got.get("vllm:spec_decode_num_accepted_tokens", 0)
+
+    for name, tau in settings:  # warm-up
+        engines[name].generate(prompts[:8], params(tau), use_tqdm=False)
+    rows = {f"{name}" + ("" if tau is None else f" tau={tau:g}"): {"burst_s": [], "one_at_a_time_s": []}
+            for name, tau in settings}
+    for _ in range(args.interleaved):
+        for (name, tau), row in zip(settings, rows.values()):
+            before = counters()
+            t0 = time.perf_counter()
+            outs = engines[name].generate(prompts, params(tau), use_tqdm=False)
+            row["burst_s"].append(time.perf_counter() - t0)
+            after = counters()
+            t0 = time.perf_counter()
+            for prompt in prompts[:args.one_at_a_time]:
+                engines[name].generate([prompt], params(tau), use_tqdm=False)
+            row["one_at_a_time_s"].append(time.perf_counter() - t0)
+            texts = [o.outputs[0].text for o in outs]
+            row["texts"] = texts
+            row["completion_tokens"] = sum(len(o.outputs[0].token_ids) for o in outs)
+            if name == "mars":
+                drafts, accepted = after[0] - before[0], after[1] - before[1]
+                row["tokens_per_forward"] = round(1 + accepted / drafts, 3) if drafts else None
+    plain = rows["plain"]
+    report = {"command": " ".join(["python"] + sys.argv), "model": args.model, "requests": len(prompts),
+              "one_at_a_time_requests": args.one_at_a_time, "rounds": args.interleaved, "settings": {}}
+    for label, row in rows.items():
+        report["settings"][label] = {
+            "tokens_per_forward": row.get("tokens_per_forward", 1.0),
+            "burst_s": round(statistics.median(row["burst_s"]), 3),
+            "one_at_a_time_s": round(statistics.median(row["one_at_a_time_s"]), 3),
+            "burst_vs_plain": [round(p / m, 3) for p, m in zip(plain["burst_s"], row["burst_s"])],
+            "one_at_a_time_vs_plain": [round(p / m, 3) for p, m in zip(plain["one_at_a_time_s"],
+                                                                        row["one_at_a_time_s"])],
+            "completion_tokens": row["completion_tokens"],
+            "accuracy": data.accuracy([e["task"] for e in examples], row["texts"],
+                                      [e["messages"][1]["content"] for e in examples])["overall"],
+            "same_as_plain": sum(a == b for a, b in zip(row["texts"], plain["texts"]))}
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report["settings"], indent=1))
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -172,7 +241,15 @@ if __name__ == "__main__":
                    help="plain must come first (the Poisson rates and the equality column are relative to it)")
     p.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
     p.add_argument("--logs", default="/tmp/vllm_mars_logs")
+    p.add_argument("--interleaved", type=int, default=0, metavar="N",
+                   help="time plain and MARS in one process, in turn, N rounds (offline engines; no servers)")
+    p.add_argument("--thresholds", type=float, nargs="+", default=[-1.0, 1.0, 0.9],
+                   help="--interleaved: MARS at each request mars_threshold (-1: none, lossless)")
+    p.add_argument("--one-at-a-time", type=int, default=48, help="--interleaved: questions sent one by one")
     args = p.parse_args()
-    if args.settings[0] != "plain":
+    if args.interleaved:
+        interleaved(args)
+    elif args.settings[0] != "plain":
         p.error("--settings must start with plain")
-    asyncio.run(main(args))
+    else:
+        asyncio.run(main(args))

@@ -232,13 +232,13 @@ DEFAULT_PER_DEPTH = 0.6  # the drafts' pass rate per depth assumed when the repo
 def default_batch_ladder(block: int, report=None) -> str | None:
     """The ladder a user did not give, from measured step costs: a ``hf-mars bench`` report (``report``, or the
     path in $HF_MARS_STEP_COSTS; None without one: every step then drafts B). At each batch size the report timed,
-    the B with the most expected tokens per second for a 2B + 1 wide step (`policy.batch_ladder`), the drafts'
+    the B with the most expected tokens per second for a 2B + 1 wide step (`ladder.batch_ladder`), the drafts'
     pass rate read from the report's best batch-1 verify row (tokens per forward)."""
     import json
     import os
 
     from hf_mars.generation.cost import STEP_COSTS_ENV, StepCosts, seed_from_bench
-    from hf_mars.generation.policy import batch_ladder, per_depth_from_tokens
+    from .ladder import batch_ladder, per_depth_from_tokens
 
     if report is None:
         path = os.environ.get(STEP_COSTS_ENV)

@@ -45,8 +45,8 @@ class MarsProposer:
         self.block = k // 2
         self.max_model_len = vllm_config.model_config.max_model_len
         self.model = None
-        ladder = ((getattr(vllm_config, "additional_config", None) or {}).get(PLUGIN_CONFIG_KEY) or {}).get("tau_ladder")
-        self.ladder = parse_tau_ladder(ladder) if ladder else None
+        ours = (getattr(vllm_config, "additional_config", None) or {}).get(PLUGIN_CONFIG_KEY) or {}
+        self.ladder = parse_tau_ladder(ours["tau_ladder"]) if ours.get("tau_ladder") else None
         self.trust: dict = {}  # request id -> (its drafts, which pass unverified): the last proposal's
 
     def load_model(self, target_model) -> None:
