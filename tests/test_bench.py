@@ -209,6 +209,20 @@ def test_acceptance_rules_are_timed_each(make_model):
     assert [m.threshold for m in BenchmarkReport.load(result).mars] == [0.5]
 
 
+def test_mars_on_a_static_cache_it_cannot_roll_back_is_skipped_up_front(make_model):
+    """A sliding-window model's static cache cannot roll back (Gemma 3's): the MARS static+compile row is dropped
+    before anything runs, with the reason in the report, and plain generate's static peer still runs."""
+    model, tok = make_model(seed=1, hidden_size=32, use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    said = []
+    result = bench.benchmark_generation(model, tok, thresholds=[], batch_sizes=[1], caches=["sliding"],
+                                        verify_thresholds=[0.3], max_new_tokens=4, num_prompts=1, repeats=1,
+                                        warmup=0, cost_repeats=1, progress=False, peers=("static_compile",),
+                                        draft_trees=("chain",), log=said.append)
+    assert [(r["mode"], r["cache"]) for r in result["rows"]] == [("ar", None), ("ar_static_compile", None),
+                                                                ("verify", "sliding")]
+    assert "cannot do that" in result["settings"]["skipped"]["static+compile"] and "skipped" in said[0]
+
+
 def test_static_compile_peer_spec():
     specs = bench.build_specs([1.0], ["sliding"], [], None, 16, peers=("static_compile", "prompt_lookup"))
     modes = [s.mode for s in specs]

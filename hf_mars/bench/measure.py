@@ -140,6 +140,15 @@ def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 
         raise ValueError("The prompt set is empty.")
     specs = build_specs(thresholds, caches, verify_thresholds, block_size, cache_block, peers=peers,
                         draft_trees=draft_trees, acceptances=acceptances, plain_steps=plain_steps)
+    say = log or (lambda msg: None)
+    skipped = {}
+    if any(spec.cache == "static+compile" for spec in specs):  # refused before anything runs, not minutes in
+        from hf_mars.generation.cache import static_rollback_problem
+
+        problem = static_rollback_problem(model)
+        if problem:
+            specs, skipped["static+compile"] = [s for s in specs if s.cache != "static+compile"], problem
+            say(f"MARS on the static cache skipped (plain generate's static_compile peer still runs): {problem}")
     bench = _Bench(model, tokenizer, records, encode_prompts(tokenizer, [r["prompt"] for r in records], chat_template),
                    specs, resolve_block_size(model, block_size), max_new_tokens, cache_block, tuple(caches),
                    num_prompts, repeats, warmup, cost_repeats)
@@ -151,9 +160,8 @@ def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 
         "mean_prompt_tokens": statistics.mean(len(e) for e in bench.encoded), "batch_sizes": list(batch_sizes),
         "thresholds": list(thresholds), "caches": list(caches), "verify_thresholds": list(verify_thresholds or ()),
         "peers": list(peers), "draft_trees": list(draft_trees or ()), "acceptances": list(acceptances),
-        "short_answers": bool(short_answers), "eos_token_ids": bench.eos_ids,
+        "short_answers": bool(short_answers), "eos_token_ids": bench.eos_ids, "skipped": skipped,
     }
-    say = log or (lambda msg: None)
     step_costs, rows = bench.measure(batch_sizes, progress, say)
     result = {"machine": info, "model": _model_size(model), "settings": settings, "step_costs": step_costs,
               "rows": rows}

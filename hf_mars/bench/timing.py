@@ -176,6 +176,9 @@ def measure_step_costs(model, batch_size: int, widths, past_len: int, repeats: i
     """
     from transformers import DynamicCache
 
+    from hf_mars.generation._compat import record_sliding_past
+    from hf_mars.generation.cache import has_sliding_layers
+
     device = device or next(model.parameters()).device
     widths = sorted({int(w) for w in widths})
     vocab = model.config.vocab_size
@@ -186,8 +189,11 @@ def measure_step_costs(model, batch_size: int, widths, past_len: int, repeats: i
     cache_kw = "cache" if _takes(model.forward, "cache") else "past_key_values"  # renamed in transformers 5.x
     model(input_ids=prefix, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
     times = {w: [] for w in widths}
+    sliding = has_sliding_layers(cache)  # (a window's pushed-out columns are kept until the crop, as in decoding)
     for i in range(repeats + 2):
         for w in widths:
+            if sliding:
+                record_sliding_past(cache)
             mask = torch.ones(batch_size, past_len + w, dtype=torch.long, device=device)
             pos = torch.arange(past_len, past_len + w, device=device).unsqueeze(0).expand(batch_size, -1)
             keep = 1 if w == 1 else min(w, block_size + 1)

@@ -63,6 +63,16 @@ def check_rollback(model, cache) -> None:
             "back); models with linear-attention or state-space layers are not supported.")
 
 
+def static_rollback_problem(model) -> str | None:
+    """Why MARS cannot decode ``model`` on a static cache (None: it can): `check_rollback`'s message for the
+    StaticCache transformers builds for it (a sliding-window model's has layers that cannot roll back)."""
+    try:
+        check_rollback(model, StaticCache(config=model.config, max_cache_len=8))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def has_sliding_layers(cache) -> bool:
     """Whether ``cache`` holds sliding-window layers: then batch rows move in lockstep and a draft tree cannot run
     (`tree.refusal`). ``has_sliding_layers(DynamicCache(config=model.config))`` answers it for a model's default
