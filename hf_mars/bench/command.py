@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -108,6 +109,7 @@ def run(args):
         num_threads=args.threads, cost_repeats=args.cost_repeats, chat_template=False if args.no_chat_template else None, progress=not args.quiet,
         peers=tuple(args.peers), draft_trees=tuple(args.draft_trees), short_answers=args.short_answers,
         acceptances=tuple(args.acceptance), plain_steps=args.plain_steps,
+        log=None if args.quiet else lambda msg: print(f"hf-mars bench: {msg}", file=sys.stderr, flush=True),
     )
     result["settings"]["model_path"] = str(args.model)
     result["settings"]["prompts_path"] = args.prompts

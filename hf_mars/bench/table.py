@@ -89,4 +89,5 @@ def format_table(result: dict) -> str:
         from hf_mars.bench.short_answers import format_short_answers
 
         out += ["", format_short_answers(result["short_answers"])]
+    out += [f"skipped {what}: {why}" for what, why in result["settings"].get("skipped", {}).items()]
     return "\n".join(out)
