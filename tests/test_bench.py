@@ -220,7 +220,8 @@ def test_mars_on_a_static_cache_it_cannot_roll_back_is_skipped_up_front(make_mod
                                         draft_trees=("chain",), log=said.append)
     assert [(r["mode"], r["cache"]) for r in result["rows"]] == [("ar", None), ("ar_static_compile", None),
                                                                 ("verify", "sliding")]
-    assert "cannot do that" in result["settings"]["skipped"]["static+compile"] and "skipped" in said[0]
+    reason = result["settings"]["skipped"]["static+compile"]
+    assert "cannot do that" in reason and "use the default dynamic cache" in reason and "skipped" in said[0]
     assert "skipped static+compile: MARS decoding rolls the KV cache back" in bench.format_table(result)
 
 

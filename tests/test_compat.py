@@ -64,6 +64,28 @@ def test_transformers_private_hooks():
     assert gen._from_model_config is False
 
 
+def test_torch_helper_threads_leave_compiled_steps_alone():
+    """Once torch.compile has used torch's prefetch executor its non-daemon workers live on (torch 2.15: every
+    compile; CI saw every later step run full guards): they are torch's own, not a thread running generate. A
+    user's non-daemon thread still counts."""
+    import threading
+
+    from torch.utils import _functools
+
+    from hf_mars.generation.forward import _alone
+
+    _functools._prefetch_executor.submit(lambda: None).result()
+    assert any(not t.daemon for t in _functools._prefetch_executor._threads) and _alone()
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        assert not _alone()
+    finally:
+        release.set()
+        other.join()
+
+
 def test_torch_compile_stance_record():
     """`hf_mars/generation/forward.py` reads torch's private stance record (to leave a user's ``set_stance`` alone)
     and recognises the error a ``skip_guard_eval_unsafe`` call raises when its checks find no graph (to rerun the

@@ -55,10 +55,21 @@ def test_model_and_compile_internals():
             name in inspect.getsource(PreTrainedModel.get_compiled_call) for name in _compat.UNCOMPILED_MODEL_TYPES),
         "torch._dynamo.eval_frame._stance": lambda: _compat.compile_stance_is_default() is True,
         "nn.Module._modules": lambda: isinstance(model._modules, dict) and _swap_restores(model),
+        "torch.utils._functools._prefetch_executor._threads": _prefetch_workers_are_helpers,
     }
     moved = _moved(checks)
     assert not moved, (f"transformers {transformers.__version__} / torch {torch.__version__} moved what "
                        "hf_mars/generation/_compat.py reads:\n" + "\n".join(moved))
+
+
+def _prefetch_workers_are_helpers() -> bool:
+    """torch's prefetch executor (used by torch.compile in torch 2.15) keeps non-daemon workers alive: they must be
+    recognised, or compiled steps in any process that compiled before check every guard (`forward._alone`)."""
+    from torch.utils import _functools
+
+    _functools._prefetch_executor.submit(lambda: None).result()
+    workers = _functools._prefetch_executor._threads
+    return bool(workers) and workers <= _compat.torch_helper_threads()
 
 
 def _swap_restores(model) -> bool:

@@ -373,6 +373,32 @@ def test_threshold_plain_steps_emit_the_ar_token(peaky, monkeypatch):
         assert torch.equal(seq[start:start + decode_steps], argmax[start - 1:start - 1 + decode_steps])
 
 
+def test_threshold_plain_steps_on_a_sliding_window_batch(make_model, monkeypatch):
+    """A sliding-window model's batch moves in lockstep (Gemma 3's at batch 4 took every wide step and ran 0.69x
+    plain): plain steps apply there too, all rows together, and each is the rows' AR step."""
+    model, tok = make_model(seed=1, initializer_range=1.0, use_sliding_window=True, sliding_window=64,
+                            max_window_layers=0)
+    enable_mars(model)
+    enc = tok(["hello world", "a"], return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    greedy = model.generate(**enc, **kw).sequences
+    monkeypatch.setattr(policy_module.ThresholdPolicy, "plain", lambda self, rows, wide, narrow: True)
+    out = model.generate(**enc, mars=True, mars_threshold=1.0, mars_plain_steps=True, **kw)
+    assert torch.equal(out.sequences, greedy)  # tau = 1 stays greedy with plain steps
+    out = model.generate(**enc, mars=True, mars_threshold=0.0, mars_plain_steps=True, **kw)
+    decode_steps = out.mars_forward_passes - 1
+    from_prefill = out.mars_emitted_tokens - decode_steps
+    assert (decode_steps > 0).all() and (from_prefill > 1).all()  # tau = 0: the prefill took its masks' tokens
+    P = enc.input_ids.shape[1]
+    for r in range(2):
+        real = enc.attention_mask[r].bool()
+        seq = torch.cat([enc.input_ids[r][real], out.sequences[r, P:]])
+        start, n = int(real.sum()) + int(from_prefill[r]), int(decode_steps[r])
+        with torch.no_grad():
+            argmax = model(seq[None]).logits[0].argmax(-1)
+        assert torch.equal(seq[start:start + n], argmax[start - 1:start - 1 + n]), r
+
+
 # ------------------------------------------------------------------------------------------ 'auto': tree or chain
 
 

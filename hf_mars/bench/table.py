@@ -49,35 +49,8 @@ def format_table(result: dict) -> str:
         prev_b = row["batch_size"]
         out.append("  ".join(c.rjust(w) for c, w in zip(cells, widths)))
     bsz = result["settings"]["block_size"]
-    out.append("")
-    out.append(f"step costs (one cached forward, cache length ~{next(iter(result['step_costs'].values()))['past_len']}, "
-               "fastest of the cost repeats):")
-    for b, c in result["step_costs"].items():
-        extra = "".join(f", cost({k[5:-3]}) {v:.2f} ms" for k, v in c.items() if k.startswith("cost_") and k not in ("cost_1_ms", f"cost_{1 + bsz}_ms"))
-        out.append(f"  batch {b}: cost(1) {c['cost_1_ms']:.2f} ms, cost({1 + bsz}) {c[f'cost_{1 + bsz}_ms']:.2f} ms "
-                   f"(ratio {c['ratio']:.2f}){extra}")
-    for row in result["rows"]:
-        if row.get("policy_layouts"):
-            total = sum(row["policy_layouts"].values())
-            shares = ", ".join(f"{name} {n / total:.0%}" for name, n in row["policy_layouts"].items())
-            auto = row.get("draft_tree") == "auto"
-            what = "plain_steps" if row.get("plain_steps") else "'auto'" if auto else "'cost'"
-            out.append(f"  batch {row['batch_size']}: {row['mode']} tau={row['threshold']:g} {what} chose per "
-                       f"{'call' if auto else 'step'}: {shares}")
-    out.append("speedup: median over repeats of the total time; (best): from each generate call's fastest repeat; "
-               f"tok/s and times are medians over {result['settings']['repeats']} interleaved repeats")
-    out.append("limit = (tokens per forward call, MARS/AR) x cost(1)/cost(1+B); eff = speedup/limit; "
-               "lim(w) = the same with the cost of the widths actually forwarded; "
-               "ideal = speed-up with zero loop overhead (in-loop model time only); ovh = loop time outside forwards "
-               "(- for compiled steps: their forwards are not timed one by one)")
-    out.append("rule = threshold mode's mars_acceptance when not the default (probability); plain = threshold mode "
-               "with mars_plain_steps=True (a step drops its masks while the wide step's measured cost does not pay)")
-    out.append("tree = verify mode's mars_draft_tree (auto: one draft per depth with masks after every node; chain: "
-               "masks after the last draft only; cost: each step's layout chosen by measured cost, the shares above); "
-               "step/c1 = a decode step's measured cost over a 1-token step's, at "
-               "the widths the run forwarded (a tree is wider: its speed-up is bounded by tok/fwd / step/c1 = lim(w))")
-    out.append("=AR = share of answers identical token for token to plain greedy generate's (100% for tau = 1 and "
-               "verify); acc = exact-match accuracy against the prompts' reference answers (- without them)")
+    out += _step_cost_lines(result, bsz)
+    out += _legend(result["settings"]["repeats"])
     m = result["machine"]
     out.append(f"machine: {m.get('cpu_model', m['processor'])}, {m['cpu_count']} CPUs, torch threads {m['torch_threads']}, "
                f"device {m['device']}{', ' + m['gpu'] if 'gpu' in m else ''}; load avg {m.get('load_average_start')} -> "
@@ -91,3 +64,42 @@ def format_table(result: dict) -> str:
         out += ["", format_short_answers(result["short_answers"])]
     out += [f"skipped {what}: {why}" for what, why in result["settings"].get("skipped", {}).items()]
     return "\n".join(out)
+
+
+def _step_cost_lines(result: dict, bsz: int) -> list:
+    """The measured step costs per batch size, and the layouts a cost-choosing row picked."""
+    past_len = next(iter(result["step_costs"].values()))["past_len"]
+    out = ["", f"step costs (one cached forward, cache length ~{past_len}, fastest of the cost repeats):"]
+    for b, c in result["step_costs"].items():
+        extra = "".join(f", cost({k[5:-3]}) {v:.2f} ms" for k, v in c.items() if k.startswith("cost_") and k not in ("cost_1_ms", f"cost_{1 + bsz}_ms"))
+        out.append(f"  batch {b}: cost(1) {c['cost_1_ms']:.2f} ms, cost({1 + bsz}) {c[f'cost_{1 + bsz}_ms']:.2f} ms "
+                   f"(ratio {c['ratio']:.2f}){extra}")
+    for row in result["rows"]:
+        if row.get("policy_layouts"):
+            total = sum(row["policy_layouts"].values())
+            shares = ", ".join(f"{name} {n / total:.0%}" for name, n in row["policy_layouts"].items())
+            auto = row.get("draft_tree") == "auto"
+            what = "plain_steps" if row.get("plain_steps") else "'auto'" if auto else "'cost'"
+            out.append(f"  batch {row['batch_size']}: {row['mode']} tau={row['threshold']:g} {what} chose per "
+                       f"{'call' if auto else 'step'}: {shares}")
+    return out
+
+
+def _legend(repeats: int) -> list:
+    """What each column means (printed under the table)."""
+    return [
+        "speedup: median over repeats of the total time; (best): from each generate call's fastest repeat; "
+        f"tok/s and times are medians over {repeats} interleaved repeats",
+        "limit = (tokens per forward call, MARS/AR) x cost(1)/cost(1+B); eff = speedup/limit; "
+        "lim(w) = the same with the cost of the widths actually forwarded; "
+        "ideal = speed-up with zero loop overhead (in-loop model time only); ovh = loop time outside forwards "
+        "(- for compiled steps: their forwards are not timed one by one)",
+        "rule = threshold mode's mars_acceptance when not the default (probability); plain = threshold mode "
+        "with mars_plain_steps=True (a step drops its masks while the wide step's measured cost does not pay)",
+        "tree = verify mode's mars_draft_tree (auto: one draft per depth with masks after every node; chain: "
+        "masks after the last draft only; cost: each step's layout chosen by measured cost, the shares above); "
+        "step/c1 = a decode step's measured cost over a 1-token step's, at "
+        "the widths the run forwarded (a tree is wider: its speed-up is bounded by tok/fwd / step/c1 = lim(w))",
+        "=AR = share of answers identical token for token to plain greedy generate's (100% for tau = 1 and "
+        "verify); acc = exact-match accuracy against the prompts' reference answers (- without them)",
+    ]

@@ -57,6 +57,17 @@ def compile_stance_is_default() -> bool:
             and getattr(stance, "skip_guard_eval_unsafe", True) is False and getattr(stance, "backend", 0) is None)
 
 
+def torch_helper_threads() -> set:
+    """Torch's own worker threads that never run a user's compiled code: the idle workers of
+    ``torch.utils._functools._prefetch_executor`` (a module-level ThreadPoolExecutor whose non-daemon threads, once
+    torch.compile has used it - torch 2.15 does, on every compile - live as long as the process). Read from its
+    private ``_threads``; if either moved, this is empty and compiled steps check their guards in full."""
+    import sys
+
+    executor = getattr(sys.modules.get("torch.utils._functools"), "_prefetch_executor", None)
+    return set(getattr(executor, "_threads", None) or ())
+
+
 def swap_child(model, name: str, module) -> None:
     """Put ``module`` in place of the model's direct child ``name`` (torch's registry ``model._modules``, as
     ``nn.Module.__setattr__`` would, without the checks a model class may add to attribute assignment)."""

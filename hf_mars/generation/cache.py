@@ -56,11 +56,15 @@ def check_rollback(model, cache) -> None:
     if odd or getattr(cache, "is_croppable", True) is False:  # (is_croppable: transformers >= 5.17)
         names = sorted({type(layer).__name__ for layer in odd})
         model_type = getattr(model.config, "model_type", type(model).__name__)
+        if names and all("SlidingWindow" in name for name in names):  # a sliding-window model's StaticCache
+            advice = "For this model (sliding-window layers) use the default dynamic cache."
+        else:
+            advice = ("Use the default dynamic cache or cache_implementation='static' (transformers >= 5.24; "
+                      "quantized and offloaded caches cannot roll back); models with linear-attention or "
+                      "state-space layers are not supported.")
         raise ValueError(
             f"MARS decoding rolls the KV cache back after every step; {type(cache).__name__} of {model_type!r} "
-            f"({', '.join(names) or 'not croppable'}) cannot do that. Use the default dynamic cache or "
-            "cache_implementation='static' (transformers >= 5.24; quantized and offloaded caches cannot roll "
-            "back); models with linear-attention or state-space layers are not supported.")
+            f"({', '.join(names) or 'not croppable'}) cannot do that. {advice}")
 
 
 def static_rollback_problem(model) -> str | None:

@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from ._compat import compile_stance_is_default, never_compiled
+from ._compat import compile_stance_is_default, never_compiled, torch_helper_threads
 from .rules import choose, confident, take_columns
 
 
@@ -116,10 +116,11 @@ def _layout(value):
 
 
 def _alone() -> bool:
-    """Whether every other Python thread is a daemon: none that would run compiled code while a step holds the
-    process-wide stance (a daemon thread doing so is the one case this cannot see: `GuardedSteps`)."""
-    current = threading.current_thread()
-    return all(thread is current or thread.daemon for thread in threading.enumerate())
+    """Whether every other Python thread is a daemon or torch's own helper: none that would run compiled code while
+    a step holds the process-wide stance (a daemon thread doing so is the one case this cannot see:
+    `GuardedSteps`)."""
+    current, helpers = threading.current_thread(), torch_helper_threads()
+    return all(thread is current or thread.daemon or thread in helpers for thread in threading.enumerate())
 
 
 _stance_is_default = compile_stance_is_default  # (the name tests/test_compat.py checks torch's stance record by)

@@ -323,9 +323,10 @@ _CHOICES: dict = {}
 
 def threshold_policy(dec):
     """Threshold mode's plain-step policy where the call asked for it (``plain_steps``) and it can apply: eager
-    steps of a sliding cache whose rows move independently (None elsewhere)."""
+    steps of the sliding cache (None elsewhere). Rows held in lockstep (a sliding-window model's batch) take the
+    plain step together, as they take every step."""
     if not dec.opts.plain_steps or dec.opts.verify or dec.shape.one_token or dec.shape.block or dec.clients.exact \
-            or dec.shape.lockstep or dec.shape.fixed_width:
+            or dec.shape.fixed_width:
         return None
     from .cost import costs_for
 
