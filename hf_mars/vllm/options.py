@@ -19,6 +19,7 @@ PROPOSER = "hf_mars.vllm.proposer.MarsProposer"
 OPTIONS = ("block_size", "batch_ladder", "tau_ladder")  # what a user may set next to the method; the rest: config.mars
 OPTIONS_KEY = "speculator_options"  # vLLM's field for a registered method's own options (>= 0.34)
 PLUGIN_CONFIG_KEY = "hf_mars"  # VllmConfig.additional_config[...]: engine-wide options vLLM has no field for
+LOAD_FIELD = "hf_mars_load"  # set on a SchedulerOutput: the scheduler's running + waiting requests (the ladder's load)
 REQUEST_ARGS = ("mars_threshold",)  # a request's own, in SamplingParams.extra_args (the OpenAI server: vllm_xargs)
 
 
@@ -32,7 +33,7 @@ def speculative_config(**options) -> dict:
     (``num_speculative_tokens_per_batch_size``). Without one, a ladder is derived from measured step costs when
     $HF_MARS_STEP_COSTS names an ``hf-mars bench`` report (`default_batch_ladder`). ``tau_ladder``:
     ``"LOAD:TAU,..."``, threshold mode by load for greedy requests without their own ``mars_threshold``, e.g.
-    ``"0:1.0,8:0.95"`` (from 8 requests in a step, trust drafts whose mask was >= 95% sure; the default is
+    ``"0:1.0,8:0.95"`` (from 8 requests running or waiting, trust drafts whose mask was >= 95% sure; the default is
     lossless at every load: `trusted_drafts` says what a threshold does here). Unknown options are refused here
     rather than deep inside engine start-up."""
     unknown = sorted(set(options) - set(OPTIONS))
@@ -70,9 +71,8 @@ def parse_batch_ladder(spec) -> list[tuple[int, int]]:
 
 
 def parse_tau_ladder(spec):
-    """``"0:1.0,8:0.95"`` -> the `TauLadder` ``hf-mars serve --tau-ladder`` reads, here keyed on the number of
-    requests in a step's batch (vLLM's worker does not see the queue; a request waits only while the batch is
-    full, so the batch is the load until then)."""
+    """``"0:1.0,8:0.95"`` -> the `TauLadder` ``hf-mars serve --tau-ladder`` reads, here keyed on the scheduler's
+    live load: its running plus waiting requests, which it writes on each step's output (``LOAD_FIELD``)."""
     from hf_mars.serve.ladder import TauLadder
 
     return TauLadder(spec, name="tau_ladder")

@@ -57,16 +57,18 @@ class MarsProposer:
     def propose(self, *args, **kwargs):
         raise RuntimeError(MISSING_PATCH)
 
-    def thresholds(self, requests, req_ids) -> list:
+    def thresholds(self, requests, req_ids, load: int | None = None) -> list:
         """Each row's tau (None: lossless): the request's own ``mars_threshold`` (validated at admission), else for
-        a greedy request the engine's ``tau_ladder`` at this step's load (its number of requests)."""
+        a greedy request the engine's ``tau_ladder`` at ``load``, the scheduler's running + waiting requests
+        (without it, the step's batch)."""
+        load = len(req_ids) if load is None else load
         out = []
         for req_id in req_ids:
             params = requests[req_id].sampling_params
             own = (params.extra_args or {}).get("mars_threshold") if params is not None else None
             greedy = params is not None and params.temperature < GREEDY_BELOW
             out.append(float(own) if own is not None else
-                       self.ladder.tau_for(len(req_ids)) if self.ladder is not None and greedy else None)
+                       self.ladder.tau_for(load) if self.ladder is not None and greedy else None)
         return out
 
     def trusted_positions(self, req_ids, spec_decode_metadata) -> list[int]:
