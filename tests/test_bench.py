@@ -311,3 +311,14 @@ def test_compiled_rows_leave_the_hook_columns_blank(make_model, monkeypatch):
     assert all(compiled[key] is None for key in measure.COMPILED_BLANK)
     assert eager["limit"] > 0 and eager["step_cost_vs_1"] > 0
     bench.format_table(result)
+
+
+def test_warm_up_cycles_through_the_prompts():
+    """A measured policy learns during the warm-up: it sees varied prompts, not the first batch again and again
+    (on Gemma 3 that kept 'auto' on plain steps while the chain ran 1.19x plain); a compiled configuration warms
+    every batch's shape."""
+    from hf_mars.bench.measure import warm_up_batches
+
+    assert warm_up_batches(["a", "b", "c"], 4, compiled=False) == ["a", "b", "c", "a"]
+    assert warm_up_batches(["a", "b", "c"], 2, compiled=True) == ["a", "b", "c", "a", "b", "c"]
+    assert warm_up_batches(["a"], 0, compiled=False) == []

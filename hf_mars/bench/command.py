@@ -68,7 +68,8 @@ def add_arguments(parser):
     parser.add_argument("--block-size", type=int, default=None, help="MARS B (default: the checkpoint's).")
     parser.add_argument("--cache-block", type=int, default=DEFAULT_CACHE_BLOCK, help="Block cache chunk (mars_cache_block).")
     parser.add_argument("--repeats", type=int, default=3, help="Timed repeats; the median is reported.")
-    parser.add_argument("--warmup", type=int, default=1, help="Untimed warm-up generates per configuration.")
+    parser.add_argument("--warmup", type=int, default=1, help="Untimed warm-up generates per configuration, cycling through the "
+                        "prompt batches (compiled configurations: this many passes over every batch).")
     parser.add_argument("--cost-repeats", type=int, default=30,
                         help="Timed calls per width in the step-cost table (the fastest is kept).")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice).")
