@@ -56,6 +56,7 @@ def test_model_and_compile_internals():
         "torch._dynamo.eval_frame._stance": lambda: _compat.compile_stance_is_default() is True,
         "nn.Module._modules": lambda: isinstance(model._modules, dict) and _swap_restores(model),
         "torch.utils._functools._prefetch_executor._threads": _prefetch_workers_are_helpers,
+        "torch._inductor.async_compile.AsyncCompile.pool()._threads": _async_compile_workers_are_helpers,
     }
     moved = _moved(checks)
     assert not moved, (f"transformers {transformers.__version__} / torch {torch.__version__} moved what "
@@ -69,6 +70,18 @@ def _prefetch_workers_are_helpers() -> bool:
 
     _functools._prefetch_executor.submit(lambda: None).result()
     workers = _functools._prefetch_executor._threads
+    return bool(workers) and workers <= _compat.torch_helper_threads()
+
+
+def _async_compile_workers_are_helpers() -> bool:
+    """inductor's async-compile thread pool (``AsyncCompile.pool()``, cached for the process; used when its worker
+    processes are not ready yet) keeps non-daemon workers alive: they must be recognised too."""
+    from torch._inductor.async_compile import AsyncCompile, get_compile_threads
+
+    if get_compile_threads() <= 1:  # inductor keeps no such pool with one compile thread
+        return hasattr(AsyncCompile.pool, "cache_info")
+    AsyncCompile.pool().submit(lambda: None).result()
+    workers = AsyncCompile.pool()._threads
     return bool(workers) and workers <= _compat.torch_helper_threads()
 
 

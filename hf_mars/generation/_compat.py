@@ -58,14 +58,21 @@ def compile_stance_is_default() -> bool:
 
 
 def torch_helper_threads() -> set:
-    """Torch's own worker threads that never run a user's compiled code: the idle workers of
-    ``torch.utils._functools._prefetch_executor`` (a module-level ThreadPoolExecutor whose non-daemon threads, once
-    torch.compile has used it - torch 2.15 does, on every compile - live as long as the process). Read from its
-    private ``_threads``; if either moved, this is empty and compiled steps check their guards in full."""
+    """Torch's own worker threads that never run a user's compiled code: the non-daemon workers of the thread pools
+    torch.compile keeps for the life of the process once it has used them - ``torch.utils._functools``'s prefetch
+    executor (torch 2.15 uses it on every compile) and inductor's async-compile pools (``AsyncCompile.pool()``,
+    cached, and the thread pools in ``async_compile._pool_set``; which of them a compile uses depends on how soon its
+    worker processes are ready, so on a loaded machine too). Read from their private ``_threads``; modules not
+    imported yet are not imported; whatever moved adds nothing, and then compiled steps check their guards in full."""
     import sys
 
-    executor = getattr(sys.modules.get("torch.utils._functools"), "_prefetch_executor", None)
-    return set(getattr(executor, "_threads", None) or ())
+    executors = [getattr(sys.modules.get("torch.utils._functools"), "_prefetch_executor", None)]
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    pool = getattr(getattr(async_compile, "AsyncCompile", None), "pool", None)
+    if getattr(pool, "cache_info", None) is not None and pool.cache_info().currsize:  # created: read, never create
+        executors.append(pool())
+    executors += list(getattr(async_compile, "_pool_set", None) or ())
+    return {thread for executor in executors for thread in (getattr(executor, "_threads", None) or ())}
 
 
 def swap_child(model, name: str, module) -> None:
