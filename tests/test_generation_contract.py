@@ -68,9 +68,7 @@ def _prefetch_workers_are_helpers() -> bool:
     recognised, or compiled steps in any process that compiled before check every guard (`forward._alone`)."""
     from torch.utils import _functools
 
-    _functools._prefetch_executor.submit(lambda: None).result()
-    workers = _functools._prefetch_executor._threads
-    return bool(workers) and workers <= _compat.torch_helper_threads()
+    return _workers_are_helpers(_functools._prefetch_executor)
 
 
 def _async_compile_workers_are_helpers() -> bool:
@@ -80,9 +78,13 @@ def _async_compile_workers_are_helpers() -> bool:
 
     if get_compile_threads() <= 1:  # inductor keeps no such pool with one compile thread
         return hasattr(AsyncCompile.pool, "cache_info")
-    AsyncCompile.pool().submit(lambda: None).result()
-    workers = AsyncCompile.pool()._threads
-    return bool(workers) and workers <= _compat.torch_helper_threads()
+    return _workers_are_helpers(AsyncCompile.pool())
+
+
+def _workers_are_helpers(pool) -> bool:
+    """Whether the started workers of ``pool`` (a ThreadPoolExecutor) are among `_compat.torch_helper_threads()`."""
+    pool.submit(lambda: None).result()
+    return bool(pool._threads) and pool._threads <= _compat.torch_helper_threads()
 
 
 def _swap_restores(model) -> bool:

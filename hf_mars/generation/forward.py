@@ -119,8 +119,9 @@ def _alone() -> bool:
     """Whether every other Python thread is a daemon or torch's own helper: none that would run compiled code while
     a step holds the process-wide stance (a daemon thread doing so is the one case this cannot see:
     `GuardedSteps`)."""
-    current, helpers = threading.current_thread(), torch_helper_threads()
-    return all(thread is current or thread.daemon or thread in helpers for thread in threading.enumerate())
+    current = threading.current_thread()
+    others = {thread for thread in threading.enumerate() if thread is not current and not thread.daemon}
+    return not others or others <= torch_helper_threads()
 
 
 _stance_is_default = compile_stance_is_default  # (the name tests/test_compat.py checks torch's stance record by)
