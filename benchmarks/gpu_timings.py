@@ -1,4 +1,4 @@
-"""Prepared GPU check: step costs and loop overhead on random Qwen2.5-shaped models in bf16.
+"""Prepared GPU check: step costs and loop overhead on random Qwen2.5- and Gemma-3-shaped models in bf16.
 
 No weights are needed (shapes are enough for timing). For Qwen2.5-0.5B and -7B shapes it measures,
 at batch 1, 4 and 16 over a ~512-position cache:
@@ -37,6 +37,14 @@ SHAPES = {  # Qwen2.5 configs (hidden, layers, heads, kv heads, intermediate, vo
                  intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
     "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+    "tiny-gemma3": dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1,
+                        head_dim=16, intermediate_size=128, vocab_size=512, sliding_window=32,
+                        tie_word_embeddings=True),
+    # Gemma 3 270M (the real model hf-mars demo --base gemma3-270m fine-tunes): 5 sliding-window layers to 1 global,
+    # a 262k-row LM head
+    "gemma3-270m": dict(hidden_size=640, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+                        head_dim=256, intermediate_size=2048, vocab_size=262144, sliding_window=512,
+                        tie_word_embeddings=True),
 }
 
 
@@ -54,16 +62,19 @@ def tree_width(shape: str) -> int:
 
 
 def build(shape: str, device: str):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, rope_theta=1e6)
+    if "gemma3" in shape:
+        cfg, model_class = Gemma3TextConfig(**SHAPES[shape], max_position_embeddings=32768), Gemma3ForCausalLM
+    else:
+        cfg, model_class = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, rope_theta=1e6), Qwen2ForCausalLM
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
         prev = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
         try:
-            model = Qwen2ForCausalLM(cfg).eval()
+            model = model_class(cfg).eval()
         finally:
             torch.set_default_dtype(prev)
     mask_id = cfg.vocab_size - 1
@@ -84,7 +95,14 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--output", default="gpu_timings.json")
     p.add_argument("--device", default="cuda", help="cuda (the real check) or cpu (a smoke run of the script)")
+    p.add_argument("--compiled-batch-sizes", type=int, nargs="+", default=None,
+                   help="batch sizes that also time the static cache + torch.compile modes (default: all); each new "
+                        "batch size compiles again, the largest share of the script's time")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="seconds after which no further mode is started (recorded as skipped): a lease's time is "
+                        "fixed, and what ran before must come back")
     args = p.parse_args(argv)
+    started = time.perf_counter()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("No CUDA device: this script is for a machine with a GPU (--device cpu for a smoke run).")
     cuda = args.device == "cuda"
@@ -125,12 +143,19 @@ def main(argv=None):
                 "verify": dict(mars=True, mars_threshold=0.0, mars_block_size=B, mars_verify=True),
                 "verify_chain": dict(mars=True, mars_threshold=0.0, mars_block_size=B, mars_verify=True,
                                      mars_draft_tree="chain"),
+                "verify_cost": dict(mars=True, mars_threshold=0.0, mars_block_size=B, mars_verify=True,
+                                    mars_draft_tree="cost"),
                 "verify_static_compile": dict(mars=True, mars_threshold=0.0, mars_block_size=B, mars_verify=True,
                                               **compiled),
             }
             if b > 1:
                 del configs["prompt_lookup"]  # transformers runs prompt lookup at batch 1 only
+            if args.compiled_batch_sizes is not None and b not in args.compiled_batch_sizes:
+                configs = {name: kw for name, kw in configs.items() if "compile_config" not in kw}
             for name, kw in configs.items():
+                if args.deadline_s is not None and time.perf_counter() - started > args.deadline_s:
+                    entry[name] = {"skipped": f"deadline of {args.deadline_s:.0f} s"}
+                    continue
                 try:
                     for _ in range(2 if "compile_config" in kw else 1):  # warm-up (compiles)
                         model.generate(**base, **kw)
@@ -161,6 +186,9 @@ def main(argv=None):
                     if "wall_ms" in fast:
                         entry[name]["speedup_vs_compiled_plain"] = entry[name]["tokens_per_s"] / fast["tokens_per_s"]
             print(json.dumps({shape: {b: entry}}, indent=None), flush=True)
+            result["seconds"] = time.perf_counter() - started
+            with open(args.output, "w") as f:  # after every batch: a run cut short keeps what it measured
+                json.dump(result, f, indent=2)
         del model
         if cuda:
             torch.cuda.empty_cache()
@@ -174,12 +202,12 @@ def main(argv=None):
         for b, e in res["batches"].items():
             c1, cB = e["cost_ms"]["1"], e["cost_ms"][str(1 + B)]
             for name in ("ar", "ar_static_compile", "prompt_lookup", "sliding", "block16", "verify", "verify_chain",
-                         "verify_static_compile"):
+                         "verify_cost", "verify_static_compile"):
                 if name not in e:
                     continue
                 r = e[name]
                 if "wall_ms" not in r:
-                    print(f"{b:>5}  {name}: {r.get('error')}")
+                    print(f"{b:>5}  {name}: {r.get('error') or r.get('skipped')}")
                     continue
                 print(f"{b:>5}  {c1:7.2f}  {cB:9.2f}  {cB / c1:5.2f}  | {name:22} {r['forwards']:4d}  "
                       f"{r['model_ms_per_step']:13.2f}  {r['overhead_ms_per_step']:11.2f}  {r.get('speedup', 1.0):6.2f}x"
