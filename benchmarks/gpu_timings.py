@@ -61,6 +61,24 @@ def tree_width(shape: str) -> int:
     return 1 + nodes + (nodes + 1) * len(ks)
 
 
+def settle_auto(model, rows: int, call, kw, most: int = 12) -> str | None:
+    """Verify's default ('auto') measures its layouts (the tree, the chain, plain steps) over a process's first
+    calls for a model and batch size, then keeps the fastest (`hf_mars.generation.policy.CallRecord`); timing those
+    first calls would time its warm-up, not what it settles on. Calls until the record settles (at most `most`);
+    returns the layout kept (None for a mode that is not 'auto')."""
+    from hf_mars.generation.policy import record_for
+
+    if not kw.get("mars_verify") or kw.get("mars_draft_tree", "auto") != "auto" or "compile_config" in kw:
+        return None
+    for _ in range(most + 1):
+        used = [record_for(model, rows, loop) for loop in ("call", "call-chain")]
+        used = [record for record in used if record.calls]
+        if used and all(record.warming() is None for record in used):
+            return used[0].best()
+        call()
+    return "unsettled"
+
+
 def build(shape: str, device: str):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -159,6 +177,7 @@ def main(argv=None):
                 try:
                     for _ in range(2 if "compile_config" in kw else 1):  # warm-up (compiles)
                         model.generate(**base, **kw)
+                    settled = settle_auto(model, b, lambda: model.generate(**base, **kw), kw)
                     walls = []
                     for _ in range(args.repeats):
                         sync()
@@ -177,6 +196,8 @@ def main(argv=None):
                         "overhead_ms_per_step": (wall - rec.model_time) / rec.calls * 1e3,
                         "mean_width": statistics.mean(rec.widths[1:]) if len(rec.widths) > 1 else None,
                     }
+                    if settled is not None:
+                        entry[name]["auto_layout"] = settled
                 except Exception as exc:  # record and go on: one failing mode must not lose the others
                     entry[name] = {"error": f"{type(exc).__name__}: {exc}"}
             ar, fast = entry["ar"], entry.get("ar_static_compile", {})
@@ -209,7 +230,8 @@ def main(argv=None):
                 if "wall_ms" not in r:
                     print(f"{b:>5}  {name}: {r.get('error') or r.get('skipped')}")
                     continue
-                print(f"{b:>5}  {c1:7.2f}  {cB:9.2f}  {cB / c1:5.2f}  | {name:22} {r['forwards']:4d}  "
+                label = f"{name} ({r['auto_layout']})" if r.get("auto_layout") else name  # what 'auto' kept
+                print(f"{b:>5}  {c1:7.2f}  {cB:9.2f}  {cB / c1:5.2f}  | {label:22} {r['forwards']:4d}  "
                       f"{r['model_ms_per_step']:13.2f}  {r['overhead_ms_per_step']:11.2f}  {r.get('speedup', 1.0):6.2f}x"
                       f"  {r.get('speedup_vs_compiled_plain', float('nan')):6.2f}x")
             print("       draft trees, cost(width)/cost(1): " + ", ".join(

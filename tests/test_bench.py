@@ -322,3 +322,30 @@ def test_warm_up_cycles_through_the_prompts():
     assert warm_up_batches(["a", "b", "c"], 4, compiled=False) == ["a", "b", "c", "a"]
     assert warm_up_batches(["a", "b", "c"], 2, compiled=True) == ["a", "b", "c", "a", "b", "c"]
     assert warm_up_batches(["a"], 0, compiled=False) == []
+
+
+def test_gpu_timings_script_runs_on_cpu(tmp_path, monkeypatch):
+    """The prepared GPU script (benchmarks/gpu_timings.py) is run only when a GPU is lent, in one short try: its
+    CPU smoke mode must keep working, record every mode, settle verify's 'auto' before timing it, and stop
+    starting modes at its deadline."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_timings.py"
+    spec = importlib.util.spec_from_file_location("gpu_timings", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "t.json"
+    common = ["--device", "cpu", "--batch-sizes", "2", "--compiled-batch-sizes", "0", "--max-new-tokens", "6",
+              "--past", "32", "--prompt-len", "12", "--repeats", "1"]
+    assert script.main(["--shapes", "tiny", "--output", str(out)] + common) == 0
+    entry = json.loads(out.read_text())["shapes"]["tiny"]["batches"]["2"]
+    assert set(entry["cost_ms"]) >= {"1", "5", "25"} and entry["tree_cost_vs_1"]["1,1,1,1"] > 0
+    for mode in ("ar", "sliding", "block16", "verify", "verify_chain", "verify_cost"):
+        assert entry[mode]["new_tokens_per_row"] == 6, (mode, entry[mode])
+    assert "ar_static_compile" not in entry and "verify_static_compile" not in entry  # not a compiled batch size
+    assert entry["verify"]["auto_layout"] in ("tree", "chain", "plain")  # settled before it was timed
+    assert "auto_layout" not in entry["verify_chain"]
+    assert script.main(["--shapes", "tiny", "--output", str(out), "--deadline-s", "0"] + common) == 0
+    entry = json.loads(out.read_text())["shapes"]["tiny"]["batches"]["2"]
+    assert entry["ar"] == {"skipped": "deadline of 0 s"} and "cost_ms" in entry
