@@ -358,6 +358,7 @@ def test_threshold_plain_steps_emit_the_ar_token(peaky, monkeypatch):
     """A plain step in threshold mode is an AR step: after the prefill (its masks' tokens at tau = 0), every token
     is the model's argmax at its prefix, one per forward, whatever tau."""
     model, tok = peaky
+    monkeypatch.setattr(policy_module.ThresholdCallRecord, "choose", lambda self: "masks")  # (the per-step choice)
     monkeypatch.setattr(policy_module.ThresholdPolicy, "plain", lambda self, rows, wide, narrow: True)
     for prompt in PROMPTS[:3]:
         enc = tok([prompt], return_tensors="pt")
@@ -373,6 +374,51 @@ def test_threshold_plain_steps_emit_the_ar_token(peaky, monkeypatch):
         assert torch.equal(seq[start:start + decode_steps], argmax[start - 1:start - 1 + decode_steps])
 
 
+def test_threshold_call_record_keeps_the_faster_of_drafting_and_plain_calls():
+    """plain_steps per call: the warm-up runs drafting calls, then plain ones (the first call untimed), and keeps
+    the layout with the most tokens per second: a batch ends with its slowest row, which a step's own tokens do
+    not show, and the calls' tokens per second do."""
+    record = policy_module.ThresholdCallRecord()
+    order = []
+    for _ in range(12):
+        layout = record.choose()
+        order.append(layout)
+        tokens, seconds = (600, 1.0) if layout == "masks" else (500, 0.6)  # drafting: more tokens, slower calls
+        record.observe_call(layout, tokens, seconds)
+    assert order[:3] == ["masks", "masks", "plain"] and record.best() == "plain"
+    assert order[-1] == "plain" and record.rate("plain") > record.rate("masks")
+    record.observe_call("plain", 0, 1.0)  # a call that emitted nothing says nothing
+    assert sum(record.calls.values()) == 12
+
+
+def test_a_plain_threshold_call_is_plain_greedy(make_model, monkeypatch):
+    """A call the record runs plain takes one token per forward from the prefill on (no masks fed), whatever tau:
+    its output is plain greedy's; its steps count as plain ones in the shares `hf-mars bench` reports, and its
+    tokens and time go to the record."""
+    model, tok = make_model(seed=1, initializer_range=1.0)
+    enable_mars(model)
+    mask_id = model.config.mars["mask_token_id"]
+    enc = tok(["hello world", "a"], return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    greedy = model.generate(**enc, **kw).sequences
+    monkeypatch.setattr(policy_module.ThresholdCallRecord, "choose", lambda self: "plain")
+    record = policy_module.record_for(model, 2, "threshold-call")
+    shares = policy_module.choices_for(model, 2, "chunk")
+    fed = []
+    hook = model.register_forward_pre_hook(lambda mod, args, kwargs: fed.append(kwargs["input_ids"]),
+                                           with_kwargs=True)
+    try:
+        out = model.generate(**enc, mars=True, mars_threshold=0.0, mars_plain_steps=True, **kw)
+    finally:
+        hook.remove()
+    assert torch.equal(out.sequences, greedy)
+    assert out.mars_forward_passes.tolist() == out.mars_emitted_tokens.tolist()  # one token per forward
+    assert all(x.shape[1] == 1 for x in fed[1:]) and not any((x == mask_id).any() for x in fed)
+    assert shares == {"plain": len(fed) - 1} and record.calls == {"plain": 1}
+    out = model.generate(**enc, mars=True, mars_threshold=0.0, **kw)  # without plain_steps: no record, masks
+    assert record.calls == {"plain": 1} and out.mars_emitted_tokens.sum() > out.mars_forward_passes.sum()
+
+
 def test_threshold_plain_steps_on_a_sliding_window_batch(make_model, monkeypatch):
     """A sliding-window model's batch moves in lockstep (Gemma 3's at batch 4 took every wide step and ran 0.69x
     plain): plain steps apply there too, all rows together, and each is the rows' AR step."""
@@ -382,6 +428,7 @@ def test_threshold_plain_steps_on_a_sliding_window_batch(make_model, monkeypatch
     enc = tok(["hello world", "a"], return_tensors="pt", padding=True)
     kw = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
     greedy = model.generate(**enc, **kw).sequences
+    monkeypatch.setattr(policy_module.ThresholdCallRecord, "choose", lambda self: "masks")  # (the per-step choice)
     monkeypatch.setattr(policy_module.ThresholdPolicy, "plain", lambda self, rows, wide, narrow: True)
     out = model.generate(**enc, mars=True, mars_threshold=1.0, mars_plain_steps=True, **kw)
     assert torch.equal(out.sequences, greedy)  # tau = 1 stays greedy with plain steps

@@ -25,7 +25,7 @@ from .limits import Limits
 from .model_calls import ModelCalls, cache_key
 from .outputs import Outputs
 from .plan import to_device
-from .policy import threshold_policy
+from .policy import threshold_call, threshold_call_done, threshold_policy
 from .prompt import Prompt
 from .proposers import choose_layout
 from .row_tensors import RowTensors
@@ -304,10 +304,18 @@ class MARSDecoder:
         if torch.is_grad_enabled():  # (generate already runs under no_grad: entering it again costs ~10 us a call)
             with torch.no_grad():
                 return self.run(synced)
+        record, layout = threshold_call(self, synced)
+        if layout == "plain":  # plain one-token steps throughout: this call's measured choice (plain_steps)
+            self.shape.one_token, self.policy = True, None
+        started = time.perf_counter()
         if self.calls.draft_vocab is not None:
             with self.calls.draft_vocab.installed(self.model):
-                return self._loop(synced)
-        return self._loop(synced)
+                sequences = self._loop(synced)
+        else:
+            sequences = self._loop(synced)
+        if record is not None:
+            threshold_call_done(self, record, layout, time.perf_counter() - started)
+        return sequences
 
     def _loop(self, synced: bool):
         """`run`'s steps, and the sequences they give."""

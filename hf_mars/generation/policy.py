@@ -2,7 +2,8 @@
 tree or the draft chain, whichever this process measured faster for the model, device, dtype and batch size. The
 opt-in ``draft_tree="cost"`` (`DraftPolicy`): each step, the draft tree (or chain, or plain 1-token step) that is
 expected to emit the most tokens per second, from the drafts' own probabilities and the measured cost of a step's
-width. Threshold mode's opt-in ``plain_steps`` (`ThresholdPolicy`).
+width. Threshold mode's opt-in ``plain_steps``: per call, drafting or plain steps throughout (`ThresholdCallRecord`),
+and in a drafting call each step (`ThresholdPolicy`).
 
 Why: no fixed layout is right everywhere. On the demo checkpoint on a CPU the all-top-1 tree with masks after
 every node wins at batch 1 and loses to the chain at batch 16, where a wide step costs 2.7x a 1-token step; on a
@@ -434,28 +435,79 @@ class CallRecord:
         drafted, total = self.with_drafts.get(layout, (0, 0))
         self.with_drafts[layout] = (POOL_DECAY * drafted + outputs.drafted_steps,
                                     POOL_DECAY * total + outputs.row_steps)
+        self.timed(layout, seconds, steps)
+
+    def timed(self, layout: str, seconds: float, amount: float) -> None:
+        """A call of ``layout`` took ``seconds`` for ``amount`` (decode steps here; tokens in `ThresholdCallRecord`):
+        counted, and, past the untimed first calls, kept in the layout's decayed time."""
         self.last_call[layout] = sum(self.calls.values())
         self.calls[layout] = self.calls.get(layout, 0) + 1
         if self.untimed > 0:
             self.untimed -= 1
             return
-        spent, stepped = self.step_seconds.get(layout, (0.0, 0))
-        self.step_seconds[layout] = (self.step_decay * spent + seconds, self.step_decay * stepped + steps)
+        spent, bought = self.step_seconds.get(layout, (0.0, 0))
+        self.step_seconds[layout] = (self.step_decay * spent + seconds, self.step_decay * bought + amount)
         best = self.best()
         self.since_probe = 0 if (best is not None and layout != best) else self.since_probe + 1
+
+
+THRESHOLD_CALL_LAYOUTS = ("masks", "plain")  # threshold mode with plain_steps, per call: the warm-up's order
+
+
+@dataclasses.dataclass
+class ThresholdCallRecord(CallRecord):
+    """Threshold mode with ``plain_steps``, per model / device / dtype and batch size: whether a ``generate`` call
+    drafts with its masks (each step still free to go plain: `ThresholdPolicy`) or takes plain one-token steps
+    throughout, whichever this process measured faster, as verify's 'auto' (`CallRecord`).
+
+    Why per call as well as per step: a step's choice weighs the tokens a row emits against the step's cost, but a
+    call's batch ends with its slowest row, which emits fewer tokens per step than the rows' mean, and a wide step
+    costs host work besides its forward. On the demo checkpoint on a CPU at batch 16 the per-step choice kept
+    drafting at 0.75-0.8x plain `generate` while plain steps throughout ran at 1.0x. The calls' emitted tokens
+    per second (prefill included) count both. `MARSEngine`'s rows join and leave: it keeps the per-step choice."""
+
+    layouts: tuple = THRESHOLD_CALL_LAYOUTS
+
+    def rate(self, layout: str) -> float:
+        seconds, tokens = self.step_seconds[layout]
+        return tokens / seconds
+
+    def observe_call(self, layout: str, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.timed(layout, seconds, tokens)
+
+
+def threshold_call(dec, synced: bool):
+    """Where threshold mode's plain steps apply (`threshold_policy` gave ``dec`` a policy) and the batch is a
+    ``generate`` call's, the record and this call's layout ('masks' or 'plain'); (None, None) elsewhere."""
+    if synced or not isinstance(dec.policy, ThresholdPolicy):
+        return None, None
+    record = record_for(dec.model, dec.batch, "threshold-call")
+    return record, record.choose()
+
+
+def threshold_call_done(dec, record, layout: str, seconds: float) -> None:
+    """The call ran: its tokens and time to the record; a plain call's steps count as plain ones in the per-step
+    shares (`choices_for`, what `hf-mars bench` reports)."""
+    record.observe_call(layout, sum(dec.rows.emitted), seconds)
+    if layout == "plain":
+        history = choices_for(dec.model, dec.batch, "chunk")
+        history["plain"] = history.get("plain", 0) + max(dec.rows.forwards) - 1
 
 
 _RECORDS: dict = {}
 
 
 def record_for(model, rows: int, loop: str = "tree"):
-    """The process's `DraftRecord` ("tree"), `ThresholdRecord` ("chunk"), 'auto''s `CallRecord` ("call", "call-chain")
-    or `MARSEngine`'s ("engine") for this model / device / dtype and batch size, shared by successive calls."""
+    """The process's `DraftRecord` ("tree"), `ThresholdRecord` ("chunk"), 'auto''s `CallRecord` ("call", "call-chain"),
+    `ThresholdCallRecord` ("threshold-call") or `MARSEngine`'s ("engine") for this model / device / dtype and batch
+    size, shared by successive calls."""
     from .cost import model_key, per_model
 
     make = {"tree": DraftRecord, "chunk": ThresholdRecord, "call": CallRecord,
             "engine": lambda: CallRecord(ENGINE_LAYOUTS, ENGINE_STEP_DECAY, ENGINE_WARM_STEPS),
-            "call-chain": lambda: CallRecord(CALL_LAYOUTS[1:])}[loop]  # (no tree: the chain or plain)
+            "call-chain": lambda: CallRecord(CALL_LAYOUTS[1:]),  # (no tree: the chain or plain)
+            "threshold-call": ThresholdCallRecord}[loop]
     return per_model(_RECORDS, (model_key(model), int(rows), loop), model, make)
 
 
