@@ -376,18 +376,22 @@ def test_threshold_plain_steps_emit_the_ar_token(peaky, monkeypatch):
 
 def test_threshold_call_record_keeps_the_faster_of_drafting_and_plain_calls():
     """plain_steps per call: the warm-up runs drafting calls, then plain ones (the first call untimed), and keeps
-    the layout with the most tokens per second: a batch ends with its slowest row, which a step's own tokens do
-    not show, and the calls' tokens per second do."""
+    the faster: the longest answer per forward (a batch runs until its last row is done, which a step's own tokens
+    do not show) times decode steps per second, so that calls on answers of other lengths compare."""
     record = policy_module.ThresholdCallRecord()
     order = []
-    for _ in range(12):
+    for i in range(12):
         layout = record.choose()
         order.append(layout)
-        tokens, seconds = (600, 1.0) if layout == "masks" else (500, 0.6)  # drafting: more tokens, slower calls
-        record.observe_call(layout, tokens, seconds)
-    assert order[:3] == ["masks", "masks", "plain"] and record.best() == "plain"
-    assert order[-1] == "plain" and record.rate("plain") > record.rate("masks")
-    record.observe_call("plain", 0, 1.0)  # a call that emitted nothing says nothing
+        longest = 30 + 20 * (i % 3)  # the calls' answers differ in length; the layouts' speeds do not
+        if layout == "masks":  # 1.5 tokens per forward for the batch's longest row, at 3.5 ms a step
+            record.observe_call(layout, longest, longest // 1.5, longest // 1.5 - 1, 0.0035 * (longest // 1.5 - 1))
+        else:  # one token per forward, at 2 ms a step: plain wins
+            record.observe_call(layout, longest, longest, longest - 1, 0.002 * (longest - 1))
+    assert order[:3] == ["masks", "masks", "plain"] and record.best() == "plain" and order[-1] == "plain"
+    assert record.tokens_per_forward("plain") == 1.0 and abs(record.tokens_per_forward("masks") - 1.5) < 0.1
+    assert abs(record.rate("plain") - 500) < 1 and 420 < record.rate("masks") < 445  # tokens per second
+    record.observe_call("plain", 0, 1, 0, 1.0)  # a call with no decode step says nothing
     assert sum(record.calls.values()) == 12
 
 

@@ -34,6 +34,7 @@ kept per model / device / dtype and batch size for the life of the process (`rec
 from __future__ import annotations
 
 import dataclasses
+import time
 
 EMA = 0.2  # the drafting steps' width, averaged
 # drafts accepted and predicted, averaged over ~1/RECORD steps; before the drafts have a record one accepted draft
@@ -461,20 +462,27 @@ class ThresholdCallRecord(CallRecord):
     throughout, whichever this process measured faster, as verify's 'auto' (`CallRecord`).
 
     Why per call as well as per step: a step's choice weighs the tokens a row emits against the step's cost, but a
-    call's batch ends with its slowest row, which emits fewer tokens per step than the rows' mean, and a wide step
-    costs host work besides its forward. On the demo checkpoint on a CPU at batch 16 the per-step choice kept
-    drafting at 0.75-0.8x plain `generate` while plain steps throughout ran at 1.0x. The calls' emitted tokens
-    per second (prefill included) count both. `MARSEngine`'s rows join and leave: it keeps the per-step choice."""
+    call's batch runs until its last row is done, and that row emits fewer tokens per step than the rows' mean (on
+    the demo checkpoint on a CPU at batch 16 the per-step choice kept drafting at 0.75-0.8x plain `generate`, plain
+    steps throughout ran 1.0x). So a layout's speed is its calls' longest answer per forward (exactly 1 for plain
+    calls; pooled over calls, decayed like the time) times its decode steps per second: both hardly move with the
+    prompt, where a call's tokens per second moves with its answers' lengths. `MARSEngine`'s rows join and leave:
+    it keeps the per-step choice."""
 
     layouts: tuple = THRESHOLD_CALL_LAYOUTS
+    progress: dict = dataclasses.field(default_factory=dict)  # layout -> [longest answers, forwards], decayed
 
-    def rate(self, layout: str) -> float:
-        seconds, tokens = self.step_seconds[layout]
-        return tokens / seconds
+    def tokens_per_forward(self, layout: str) -> float:
+        tokens, forwards = self.progress.get(layout, (1.0, 1.0))
+        return tokens / forwards
 
-    def observe_call(self, layout: str, tokens: int, seconds: float) -> None:
-        if tokens > 0 and seconds > 0:
-            self.timed(layout, seconds, tokens)
+    def observe_call(self, layout: str, longest: int, forwards: int, steps: int, seconds: float) -> None:
+        """A call ran: its longest row's tokens over the batch's forwards, and its decode steps' time."""
+        if longest <= 0 or forwards <= 0 or steps <= 0 or seconds <= 0:
+            return
+        tokens, counted = self.progress.get(layout, (0.0, 0.0))
+        self.progress[layout] = (self.step_decay * tokens + longest, self.step_decay * counted + forwards)
+        self.timed(layout, seconds, steps)
 
 
 def threshold_call(dec, synced: bool):
@@ -483,13 +491,17 @@ def threshold_call(dec, synced: bool):
     if synced or not isinstance(dec.policy, ThresholdPolicy):
         return None, None
     record = record_for(dec.model, dec.batch, "threshold-call")
+    dec.outputs.counting = True  # (`outputs.Outputs.decode_started`: the call's time is its decode steps')
     return record, record.choose()
 
 
-def threshold_call_done(dec, record, layout: str, seconds: float) -> None:
-    """The call ran: its tokens and time to the record; a plain call's steps count as plain ones in the per-step
+def threshold_call_done(dec, record, layout: str) -> None:
+    """The call ran: its progress and decode time to the record; a plain call's steps count as plain ones in the per-step
     shares (`choices_for`, what `hf-mars bench` reports)."""
-    record.observe_call(layout, sum(dec.rows.emitted), seconds)
+    if dec.outputs.decode_started is not None:
+        rows = dec.rows
+        record.observe_call(layout, max(rows.emitted), max(rows.forwards), max(rows.forwards) - 1,
+                            time.perf_counter() - dec.outputs.decode_started)
     if layout == "plain":
         history = choices_for(dec.model, dec.batch, "chunk")
         history["plain"] = history.get("plain", 0) + max(dec.rows.forwards) - 1
