@@ -327,7 +327,7 @@ def _with_training_junk(folder: Path, tmp_path: Path) -> Path:
 EXPECTED_FILES = sorted(["README.md", "chat_template.jinja", "config.json", "custom_generate/requirements.txt",
                          "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
                         + [f"custom_generate/{name}.py" for name in (
-                            "_compat", "acceptor", "api", "cache", "clients", "config", "cost", "decoder",
+                            "_compat", "acceptor", "api", "cache", "call_record", "clients", "config", "cost", "decoder",
                             "draft_vocab", "forward", "generate", "history", "limits", "model_calls", "outputs", "plan",
                             "policy", "prompt", "proposers", "row_tensors", "rules", "state", "tree")])
 

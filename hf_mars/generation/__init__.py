@@ -21,6 +21,9 @@ package ships inside every MARS checkpoint as ``custom_generate/``, see `hf_mars
 - `tree`: verify mode over draft trees (several candidates per depth, masks after every node): their layout and
   the accepted path's cache columns.
 - `engine`: rows that join and leave a running batch (in-flight batching for servers).
+- `cost`, `policy`, `call_record`: layouts chosen by measured speed: the step costs by (rows, width), the per-step
+  policies (`draft_tree="cost"`, threshold mode's ``plain_steps``) and the per-call records (verify's 'auto',
+  `MARSEngine`'s tree or chain, threshold mode's drafting or plain calls).
 - `api`: `mars_generate`, `enable_mars` and the routing of ``generate``.
 - `_compat`: every transformers internal the decoder reads (checked by tests/test_generation_contract.py).
 """

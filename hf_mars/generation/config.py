@@ -103,10 +103,11 @@ class MARSGenerationConfig:
         "which saves 0.3-0.5 ms per step on CPU. Set it if code run between steps (a streamer, a logits "
         "processor) changes the model, or a daemon thread runs compiled code while generate runs."))
     plain_steps: bool = _field(False, (
-        "Threshold mode (sliding cache, eager steps): take plain 1-token steps while the masks do not pay, judged "
-        "from the measured cost of a step by width and the tokens the wide steps accepted (tau is untouched: a "
-        "plain step only shortens a run). The output then depends on timing, so it is off by default; verify "
-        "mode's draft_tree='cost' makes the same choice losslessly."))
+        "Threshold mode (sliding cache, eager steps): take plain 1-token steps while the masks do not pay: per "
+        "generate call (drafting or plain calls, whichever this process measured faster for the model and batch "
+        "size) and, in a drafting call, per step, from the measured cost of a step by width and the tokens the wide "
+        "steps accepted (tau is untouched: a plain step only shortens a run). The output then depends on timing, "
+        "so it is off by default; verify mode's draft_tree='cost' makes the same choice losslessly."))
 
     def __post_init__(self):
         # the fields set to something other than their default: what a `mars_config=` passed to generate imposes

@@ -73,7 +73,7 @@ def keep_rows(dec, keep: list) -> None:
 
 @dataclasses.dataclass
 class StepCounts:
-    """One batch step as `policy.CallRecord.observe` reads a call: the rows that stepped, those that started it
+    """One batch step as `call_record.CallRecord.observe` reads a call: the rows that stepped, those that started it
     with drafts, and the tokens those emitted."""
 
     row_steps: int
@@ -83,7 +83,7 @@ class StepCounts:
 
 def measured_step(dec) -> str | None:
     """One step of a served batch in the layout this process measured fastest for the model and this many rows
-    (`policy.CallRecord`, loop "engine": the draft tree or the chain, as verify's default 'auto' chooses per
+    (`call_record.CallRecord`, loop "engine": the draft tree or the chain, as verify's default 'auto' chooses per
     `generate` call; here per step, since rows join and leave). A batch that decodes no tree, or whose tree shape
     was asked for, steps as it is. Returns the layout taken (None: the batch's own)."""
     if getattr(dec, "tree_shape", None) is None or dec.opts.draft_tree != "auto":

@@ -42,7 +42,7 @@ class Outputs:
     def count_drafted(self, rows: list, had_drafts: list, accepted: list) -> None:
         """A step's rows: how many started with drafts and what those emitted. Tokens per drafted step are the
         masks' quality on this text, whatever the layout; the share of steps with drafts is the layout's own
-        (a tree has the next drafts after a rejection, the chain has not): `policy.CallRecord` weighs both."""
+        (a tree has the next drafts after a rejection, the chain has not): `call_record.CallRecord` weighs both."""
         self.row_steps += len(rows)
         for r in rows:
             if had_drafts[r]:

@@ -202,7 +202,7 @@ class TreeDecoder(MARSDecoder):
 
     def run(self, synced: bool = False):
         """`MARSDecoder.run`; with the default 'auto', the tree, the chain or plain one-token steps, whichever this
-        process measured fastest for this model at this batch size (`policy.CallRecord`); the call's own time goes
+        process measured fastest for this model at this batch size (`call_record.CallRecord`); the call's own time goes
         to the record. (`MARSEngine` steps its decoders without `run`: `engine.measured_step` chooses per step.)"""
         layout = record = None
         loop = self.auto_record(synced)
