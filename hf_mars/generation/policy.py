@@ -360,8 +360,8 @@ def threshold_call(dec, synced: bool):
 
 
 def threshold_call_done(dec, record, layout: str) -> None:
-    """The call ran: its progress and decode time to the record; a plain call's steps count as plain ones in the per-step
-    shares (`choices_for`, what `hf-mars bench` reports)."""
+    """The call ran: its progress and decode time to the record; a plain call's steps count as plain ones in the
+    per-step shares (`choices_for`, what `hf-mars bench` reports)."""
     if dec.outputs.decode_started is not None:
         rows = dec.rows
         record.observe_call(layout, max(rows.emitted), max(rows.forwards), max(rows.forwards) - 1,
