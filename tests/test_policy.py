@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+import hf_mars.generation.call_record as call_record
 import hf_mars.generation.policy as policy_module
 from hf_mars.generation import cost, enable_mars
 from hf_mars.generation.policy import PLAIN, DraftPolicy, Layout, menu, propose_shape, tree_value
@@ -358,7 +359,7 @@ def test_threshold_plain_steps_emit_the_ar_token(peaky, monkeypatch):
     """A plain step in threshold mode is an AR step: after the prefill (its masks' tokens at tau = 0), every token
     is the model's argmax at its prefix, one per forward, whatever tau."""
     model, tok = peaky
-    monkeypatch.setattr(policy_module.ThresholdCallRecord, "choose", lambda self: "masks")  # (the per-step choice)
+    monkeypatch.setattr(call_record.ThresholdCallRecord, "choose", lambda self: "masks")  # (the per-step choice)
     monkeypatch.setattr(policy_module.ThresholdPolicy, "plain", lambda self, rows, wide, narrow: True)
     for prompt in PROMPTS[:3]:
         enc = tok([prompt], return_tensors="pt")
@@ -378,7 +379,7 @@ def test_threshold_call_record_keeps_the_faster_of_drafting_and_plain_calls():
     """plain_steps per call: the warm-up runs drafting calls, then plain ones (the first call untimed), and keeps
     the faster: the longest answer per forward (a batch runs until its last row is done, which a step's own tokens
     do not show) times decode steps per second, so that calls on answers of other lengths compare."""
-    record = policy_module.ThresholdCallRecord()
+    record = call_record.ThresholdCallRecord()
     order = []
     for i in range(12):
         layout = record.choose()
@@ -405,7 +406,7 @@ def test_a_plain_threshold_call_is_plain_greedy(make_model, monkeypatch):
     enc = tok(["hello world", "a"], return_tensors="pt", padding=True)
     kw = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
     greedy = model.generate(**enc, **kw).sequences
-    monkeypatch.setattr(policy_module.ThresholdCallRecord, "choose", lambda self: "plain")
+    monkeypatch.setattr(call_record.ThresholdCallRecord, "choose", lambda self: "plain")
     record = policy_module.record_for(model, 2, "threshold-call")
     shares = policy_module.choices_for(model, 2, "chunk")
     fed = []
@@ -432,7 +433,7 @@ def test_threshold_plain_steps_on_a_sliding_window_batch(make_model, monkeypatch
     enc = tok(["hello world", "a"], return_tensors="pt", padding=True)
     kw = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
     greedy = model.generate(**enc, **kw).sequences
-    monkeypatch.setattr(policy_module.ThresholdCallRecord, "choose", lambda self: "masks")  # (the per-step choice)
+    monkeypatch.setattr(call_record.ThresholdCallRecord, "choose", lambda self: "masks")  # (the per-step choice)
     monkeypatch.setattr(policy_module.ThresholdPolicy, "plain", lambda self, rows, wide, narrow: True)
     out = model.generate(**enc, mars=True, mars_threshold=1.0, mars_plain_steps=True, **kw)
     assert torch.equal(out.sequences, greedy)  # tau = 1 stays greedy with plain steps
@@ -461,8 +462,8 @@ def _calls(drafted_steps, row_steps=10, tokens_per_drafted_step=3):
 
 
 def test_auto_tries_every_layout_then_keeps_the_fastest_and_probes_the_others():
-    record = policy_module.CallRecord(untimed=0)
-    warm, layouts = policy_module.WARM_CALLS, policy_module.CALL_LAYOUTS
+    record = call_record.CallRecord(untimed=0)
+    warm, layouts = call_record.WARM_CALLS, call_record.CALL_LAYOUTS
     # (row-steps with drafts of 10, seconds per step): the tree has drafts after a rejection, the chain does not
     speed = {"tree": (9, 0.003), "chain": (6, 0.002), "plain": (0, 0.0012)}
     seen = []
@@ -476,7 +477,7 @@ def test_auto_tries_every_layout_then_keeps_the_fastest_and_probes_the_others():
     probed = []
     for _ in range(2):
         kept = []
-        while record.since_probe < policy_module.PROBE_CALLS:  # the chain is kept ...
+        while record.since_probe < call_record.PROBE_CALLS:  # the chain is kept ...
             kept.append(record.choose())
             record.observe("chain", _calls(6), 10, 0.020)
         probed.append(record.choose())  # ... until another is tried again: the one tried longest ago
@@ -492,7 +493,7 @@ def test_auto_warm_up_drops_a_layout_one_call_showed_far_slower():
     """Successive elimination: after one call each, a layout below CONTENTION x the best rate gets no more warm-up
     calls, so a short process spends its few calls on the contenders (plain steps at 1 token per forward against
     drafts at ~3, here)."""
-    record = policy_module.CallRecord(untimed=0)
+    record = call_record.CallRecord(untimed=0)
     speed = {"tree": (9, 0.003), "chain": (6, 0.0022), "plain": (0, 0.0025)}
     seen = []
     while record.best() is None:
@@ -500,8 +501,8 @@ def test_auto_warm_up_drops_a_layout_one_call_showed_far_slower():
         seen.append(layout)
         record.observe(layout, _calls(speed[layout][0]), 10, 10 * speed[layout][1])
     assert seen[:3] == ["tree", "chain", "plain"]  # each once, in that order
-    assert seen.count("plain") == 1 and seen.count("tree") == seen.count("chain") == policy_module.WARM_CALLS
-    assert record.best() == "chain" and len(seen) == 2 * policy_module.WARM_CALLS + 1  # 2.2 tok per 2.2 ms
+    assert seen.count("plain") == 1 and seen.count("tree") == seen.count("chain") == call_record.WARM_CALLS
+    assert record.best() == "chain" and len(seen) == 2 * call_record.WARM_CALLS + 1  # 2.2 tok per 2.2 ms
 
 
 def test_a_records_first_call_is_not_timed():
@@ -510,7 +511,7 @@ def test_a_records_first_call_is_not_timed():
     draft counts are kept; the tree is timed again on the next call and, the fastest, is kept."""
     speed = {"tree": (9, 0.0025), "chain": (6, 0.0022), "plain": (0, 0.0012)}
     for untimed, kept in ((1, "tree"), (0, "chain")):  # (0: as before the rule; the cold call's time counted)
-        record, seen = policy_module.CallRecord(untimed=untimed), []
+        record, seen = call_record.CallRecord(untimed=untimed), []
         while record.best() is None:
             layout = record.choose()
             cold = 3.0 if not seen else 1.0
@@ -529,8 +530,8 @@ def test_default_verify_follows_the_record_and_stays_greedy(peaky, monkeypatch):
     kw = dict(max_new_tokens=16, do_sample=False, return_dict_in_generate=True)
     greedy = model.generate(**enc, **kw).sequences
     forwards = {}
-    for layout in policy_module.CALL_LAYOUTS:
-        monkeypatch.setattr(policy_module.CallRecord, "choose", lambda self, layout=layout: layout)
+    for layout in call_record.CALL_LAYOUTS:
+        monkeypatch.setattr(call_record.CallRecord, "choose", lambda self, layout=layout: layout)
         out = model.generate(**enc, mars_verify=True, **kw)
         assert torch.equal(out.sequences, greedy)
         forwards[layout] = out.mars_forward_passes.tolist()
@@ -588,7 +589,7 @@ def test_verifys_plain_layout_feeds_no_masks(make_model, monkeypatch, sliding):
     enc = tok(["hello world", "a"], return_tensors="pt", padding=True)
     kw = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
     greedy = model.generate(**enc, **kw).sequences
-    monkeypatch.setattr(policy_module.CallRecord, "choose", lambda self: "plain")
+    monkeypatch.setattr(call_record.CallRecord, "choose", lambda self: "plain")
     fed = []
     hook = model.register_forward_pre_hook(lambda mod, args, kwargs: fed.append(kwargs["input_ids"]),
                                            with_kwargs=True)

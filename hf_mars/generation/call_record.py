@@ -103,16 +103,16 @@ class CallRecord:
                                     POOL_DECAY * total + outputs.row_steps)
         self.timed(layout, seconds, steps)
 
-    def timed(self, layout: str, seconds: float, amount: float) -> None:
-        """A call of ``layout`` took ``seconds`` for ``amount`` (decode steps here; tokens in `ThresholdCallRecord`):
-        counted, and, past the untimed first calls, kept in the layout's decayed time."""
+    def timed(self, layout: str, seconds: float, steps: int) -> None:
+        """A call of ``layout`` took ``seconds`` for its ``steps`` decode steps: counted, and, past the untimed first
+        calls, kept in the layout's decayed time (what `rate` reads, here and in `ThresholdCallRecord`)."""
         self.last_call[layout] = sum(self.calls.values())
         self.calls[layout] = self.calls.get(layout, 0) + 1
         if self.untimed > 0:
             self.untimed -= 1
             return
-        spent, bought = self.step_seconds.get(layout, (0.0, 0))
-        self.step_seconds[layout] = (self.step_decay * spent + seconds, self.step_decay * bought + amount)
+        spent, stepped = self.step_seconds.get(layout, (0.0, 0))
+        self.step_seconds[layout] = (self.step_decay * spent + seconds, self.step_decay * stepped + steps)
         best = self.best()
         self.since_probe = 0 if (best is not None and layout != best) else self.since_probe + 1
 

@@ -106,9 +106,9 @@ class MARSDecoder:
             self.outputs.compactions += 1
         if self.clients.lagging is not None:
             self._check_lagging()
-        if plan.first and outputs.counting:
+        if plan.first:  # (a per-call record times a call's decode steps from here)
             outputs.decode_started = time.perf_counter()
-        elif self.policy is not None and not plan.first:
+        elif self.policy is not None:
             self.policy.observe_step(self, plan, time.perf_counter() - started, accepted)
         return any(rows.unfinished)
 

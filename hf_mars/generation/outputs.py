@@ -34,7 +34,7 @@ class Outputs:
         self.raw = None  # the step's slot logits before processing (for output_logits: `keep_raw`)
         self.compactions = 0  # times the cache's masked-out columns were compacted away
         # verify's 'auto' (`tree.TreeDecoder.run` turns it on): row-steps, those that started with drafts, the tokens
-        # those emitted (`count_drafted`), and perf_counter() at the end of the first step (the prefill)
+        # those emitted (`count_drafted`); and, always, perf_counter() at the end of the first step (the prefill)
         self.counting = False
         self.row_steps = self.drafted_steps = self.drafted_tokens = 0
         self.decode_started = None

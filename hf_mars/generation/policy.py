@@ -36,10 +36,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-# the per-call records (`record_for` makes them; their names stay importable from here)
-from .call_record import (  # noqa: F401
-    CALL_LAYOUTS, COLD_CALLS, CONTENTION, ENGINE_LAYOUTS, ENGINE_STEP_DECAY, ENGINE_WARM_STEPS, POOL_DECAY, PROBE_CALLS,
-    STEP_DECAY, THRESHOLD_CALL_LAYOUTS, WARM_CALLS, CallRecord, ThresholdCallRecord)
+from .call_record import (CALL_LAYOUTS, ENGINE_LAYOUTS, ENGINE_STEP_DECAY, ENGINE_WARM_STEPS, CallRecord,
+                          ThresholdCallRecord)
 
 EMA = 0.2  # the drafting steps' width, averaged
 # drafts accepted and predicted, averaged over ~1/RECORD steps; before the drafts have a record one accepted draft
@@ -355,20 +353,19 @@ def threshold_call(dec, synced: bool):
     if synced or not isinstance(dec.policy, ThresholdPolicy):
         return None, None
     record = record_for(dec.model, dec.batch, "threshold-call")
-    dec.outputs.counting = True  # (`outputs.Outputs.decode_started`: the call's time is its decode steps')
     return record, record.choose()
 
 
 def threshold_call_done(dec, record, layout: str) -> None:
     """The call ran: its progress and decode time to the record; a plain call's steps count as plain ones in the
     per-step shares (`choices_for`, what `hf-mars bench` reports)."""
+    forwards = max(dec.rows.forwards)
     if dec.outputs.decode_started is not None:
-        rows = dec.rows
-        record.observe_call(layout, max(rows.emitted), max(rows.forwards), max(rows.forwards) - 1,
+        record.observe_call(layout, max(dec.rows.emitted), forwards, forwards - 1,
                             time.perf_counter() - dec.outputs.decode_started)
     if layout == "plain":
         history = choices_for(dec.model, dec.batch, "chunk")
-        history["plain"] = history.get("plain", 0) + max(dec.rows.forwards) - 1
+        history["plain"] = history.get("plain", 0) + forwards - 1
 
 
 _RECORDS: dict = {}
