@@ -165,6 +165,8 @@ def main(argv=None):
                                     mars_draft_tree="cost"),
                 "verify_static_compile": dict(mars=True, mars_threshold=0.0, mars_block_size=B, mars_verify=True,
                                               **compiled),
+                # tau = 0 compiled: every guess accepted, compiled MARS's ceiling against compiled plain
+                "sliding_static_compile": dict(mars=True, mars_threshold=0.0, mars_block_size=B, **compiled),
             }
             if b > 1:
                 del configs["prompt_lookup"]  # transformers runs prompt lookup at batch 1 only
@@ -223,7 +225,7 @@ def main(argv=None):
         for b, e in res["batches"].items():
             c1, cB = e["cost_ms"]["1"], e["cost_ms"][str(1 + B)]
             for name in ("ar", "ar_static_compile", "prompt_lookup", "sliding", "block16", "verify", "verify_chain",
-                         "verify_cost", "verify_static_compile"):
+                         "verify_cost", "verify_static_compile", "sliding_static_compile"):
                 if name not in e:
                     continue
                 r = e[name]

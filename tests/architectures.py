@@ -47,14 +47,15 @@ ARCHITECTURES = {
 SDPA_UNSUPPORTED = {"gemma2", "gpt_oss"}  # transformers offers eager attention only for these
 
 
-def build(arch: str, tokenizer, attn_implementation: str = "sdpa", seed: int = 0):
+def build(arch: str, tokenizer, attn_implementation: str = "sdpa", seed: int = 0, **overrides):
     """A random tiny model of ``arch`` with the mask token added (``config.mars`` set); sdpa falls back to eager
-    where transformers has no sdpa path for the architecture."""
+    where transformers has no sdpa path for the architecture. ``overrides``: config fields to change."""
     from transformers import AutoModelForCausalLM
 
     from hf_mars import add_mask_token
 
     name, kwargs, _ = ARCHITECTURES[arch]
+    kwargs = {**kwargs, **overrides}
     torch.manual_seed(seed)
     config = _cfg(name, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                   eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=False, **kwargs)

@@ -4,6 +4,7 @@ Each architecture is a tiny random config built from the model's own config clas
 `python tests/compat_table.py` renders docs/architectures.md's compatibility table from these tests' outcomes.
 """
 
+import inspect
 import random
 
 import pytest
@@ -13,6 +14,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from hf_mars import MARSConfig, MARSTrainer, enable_mars, save_for_hub
+from hf_mars.generation import STATIC_CACHE_SUPPORTED
 from hf_mars.testing_utils import build_char_tokenizer
 from hf_mars.training.masking import build_model_mars_mask, build_noisy_input_ids
 from hf_mars.training.tokens import set_mars_metadata
@@ -143,6 +145,54 @@ def test_sliding_window_prompt_longer_than_window(tok):
     plain = _generate(model, enc, max_new_tokens=40).sequences
     for kw in (dict(mars_threshold=1.0), dict(mars_verify=True, mars_threshold=0.0)):
         assert torch.equal(_generate(model, enc, max_new_tokens=40, **kw).sequences, plain)
+
+
+@pytest.mark.skipif(not STATIC_CACHE_SUPPORTED, reason="static cache layers roll back from transformers 5.24 on")
+@pytest.mark.parametrize("arch", [a for a in ARCHS if "sliding_window" in ARCHITECTURES[a][1]])
+def test_static_cache_of_sliding_window_models(arch, tok):
+    """cache_implementation="static" on a sliding-window model (what compiled decoding uses): a static window layer
+    overwrites its oldest column once full, so MARS decodes into full-length static layers, the model's mask
+    keeping the window. Generations that run far past the window: tau = 1 and verify equal plain greedy; threshold
+    mode and tau = 0 (masks accepted across the window's edge) equal the same calls on the dynamic cache."""
+    model = enable_mars(build(arch, tok))
+    set_mars_metadata(model.config, block_size=4, trained_steps=1)
+    for prompts in (PROMPTS[:1], PROMPTS):
+        enc = tok(prompts, return_tensors="pt", padding=True)
+        plain = _generate(model, enc, max_new_tokens=40).sequences
+        for kw in (dict(mars_threshold=1.0), dict(mars_verify=True, mars_threshold=0.0)):
+            out = _generate(model, enc, max_new_tokens=40, cache_implementation="static", **kw)
+            assert torch.equal(out.sequences, plain), (arch, len(prompts), kw)
+        for kw in (dict(mars_threshold=0.5), dict(mars_threshold=0.0, eos_token_id=[])):
+            dynamic = _generate(model, enc, max_new_tokens=40, **kw)
+            static = _generate(model, enc, max_new_tokens=40, cache_implementation="static", **kw)
+            assert torch.equal(static.sequences, dynamic.sequences), (arch, len(prompts), kw)
+            assert torch.equal(static.mars_forward_passes, dynamic.mars_forward_passes)
+        assert int(static.mars_forward_passes[0]) == 10  # tau = 0: 4 tokens a forward, across the window's edge
+
+
+@pytest.mark.skipif(not STATIC_CACHE_SUPPORTED, reason="static cache layers roll back from transformers 5.24 on")
+def test_user_static_cache_with_a_prefix_on_a_sliding_window_model(tok):
+    """A StaticCache the user filled with a prefix is used as it is: its window layers roll back only while the
+    whole call fits in the window (transformers' `is_croppable`); beyond it, a clear error before any step."""
+    from transformers import StaticCache
+
+    window = 64
+    model = enable_mars(build("gemma3_text", tok, sliding_window=window))
+    set_mars_metadata(model.config, block_size=4, trained_steps=1)
+    enc = tok(["the quick brown fox"], return_tensors="pt")
+    plain = _generate(model, enc, max_new_tokens=8).sequences
+
+    def prefilled(length):
+        cache = StaticCache(config=model.config, max_cache_len=length)
+        cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        with torch.no_grad():
+            model(input_ids=enc.input_ids[:, :-1], **{cache_arg: cache})
+        return {cache_arg: cache}
+
+    assert torch.equal(_generate(model, enc, max_new_tokens=8, mars_verify=True, **prefilled(window)).sequences,
+                       plain)
+    with pytest.raises(ValueError, match="rolls back only while the whole call fits in its window"):
+        _generate(model, enc, max_new_tokens=8, mars_verify=True, **prefilled(2 * window))
 
 
 def test_unsupported_layer_types_are_refused_before_any_step(tok, tmp_path):

@@ -749,6 +749,40 @@ def test_user_static_cache(peaky):
         _greedy(model, enc, max_new_tokens=16, mars_verify=True, **{CACHE_ARG: small})
 
 
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_prompt_reuse_a_cache_holding_the_prompts_start(peaky, kind):
+    """Prompt reuse (transformers' documented pattern: a cache already holding the prompt's first tokens): MARS
+    feeds only the prompt's tokens past the cached ones, on a left-padded batch too. tau = 1 and verify (chain
+    and tree) equal plain generate given the same cache; a cache holding the whole prompt is refused."""
+    from transformers import DynamicCache, StaticCache
+
+    if kind == "static" and not gen.STATIC_CACHE_SUPPORTED:
+        pytest.skip("static cache layers roll back from transformers 5.24 on")
+    model, tok = peaky
+    for prompts in (PROMPTS[:1], PROMPTS):
+        enc = tok(prompts, return_tensors="pt", padding=True)
+        P = enc.input_ids.shape[1]
+
+        def cached(upto):
+            cache = (StaticCache(config=model.config, max_cache_len=128) if kind == "static"
+                     else DynamicCache(config=model.config))
+            mask = enc.attention_mask[:, :upto]
+            with torch.no_grad():  # (the positions generate gives a left-padded row)
+                model(input_ids=enc.input_ids[:, :upto], attention_mask=mask,
+                      position_ids=(mask.cumsum(-1) - 1).clamp(min=0), **{CACHE_ARG: cache})
+            return {CACHE_ARG: cache}
+
+        plain = _greedy(model, enc, max_new_tokens=24, **cached(P - 3))
+        assert torch.equal(plain, _greedy(model, enc, max_new_tokens=24))  # the pattern holds for plain generate
+        for kw in (dict(mars_threshold=1.0), dict(mars_verify=True, mars_threshold=0.0),
+                   dict(mars_verify=True, mars_draft_tree="chain")):
+            out = _greedy(model, enc, max_new_tokens=24, return_dict_in_generate=True, **kw, **cached(P - 3))
+            assert torch.equal(out.sequences, plain), (len(prompts), kw)
+        assert int(out.mars_emitted_tokens.sum()) > int(out.mars_forward_passes.sum())  # drafts were accepted
+        with pytest.raises(ValueError, match=f"already holds {P} positions and the prompt has {P}"):
+            _greedy(model, enc, mars_verify=True, **cached(P))
+
+
 @pytest.mark.skipif(not gen.STATIC_CACHE_SUPPORTED, reason="static cache layers roll back from transformers 5.24 on")
 def test_static_cache_generate_built_is_sized_not_rebuilt(peaky, monkeypatch):
     """generate builds a static cache per call, sized for plain decoding and not yet allocated (a layer allocates

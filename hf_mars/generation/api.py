@@ -89,6 +89,12 @@ def check_supported(model, generation_config, model_kwargs, input_ids) -> int:
     cache = model_kwargs.get(cache_key(model_kwargs))
     if cache is not None:
         check_rollback(model, cache)
+        cached = int(cache.get_seq_length())
+        if cached >= input_ids.shape[1]:
+            raise ValueError(
+                f"The cache passed in already holds {cached} positions and the prompt has "
+                f"{input_ids.shape[1]}: MARS feeds the prompt's tokens past the cached ones, so a reused cache must "
+                "hold fewer positions than the prompt (cache it without the prompt's last token).")
     for key, value in model_kwargs.items():
         if key not in LOOP_KWARGS and torch.is_tensor(value):
             raise ValueError(f"MARS decoding does not know how to extend the per-token model input {key!r} over "

@@ -4,6 +4,10 @@ Each step feeds masks (and verify mode's drafts) that must leave no trace: their
 cache's end (dynamic, sliding-window and, from transformers 5.24, static layers roll back exactly). Batched rows
 accept different counts, so some kept columns are padding in some rows: a 2D attention mask over the cache's
 columns hides them, and `compact` removes them once they are more than a small share of the cache.
+
+A static sliding-window layer overwrites the oldest column once its window is full, which no crop can undo: for a
+sliding-window model (Gemma 2 / 3, Mistral) MARS decodes into a static cache whose every layer holds the whole
+call (`full_static_cache`), and the model's own sliding-window mask still limits those layers' attention.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from transformers.cache_utils import (
     DynamicSlidingWindowLayer,
     StaticCache,
     StaticLayer,
+    StaticSlidingWindowLayer,
 )
 
 from ._compat import (
@@ -29,7 +34,9 @@ from ._compat import (
 
 COMPACT_THRESHOLD = 0.1  # batched caches are compacted once masked pad columns exceed this share of them
 STATIC_CACHE_SUPPORTED = hasattr(StaticLayer, "crop")
-ROLLBACK_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer) + ((StaticLayer,) if STATIC_CACHE_SUPPORTED else ())
+ROLLBACK_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer) + (
+    (StaticLayer, StaticSlidingWindowLayer) if STATIC_CACHE_SUPPORTED else ())
+SLIDING_LAYERS = (DynamicSlidingWindowLayer, StaticSlidingWindowLayer)
 STATIC_CACHE_BUCKET = 256  # static caches MARS creates hold a multiple of this many positions, or 64 / 128 below it
 SMALL_STATIC_CACHES = (64, 128)
 
@@ -51,12 +58,18 @@ def static_cache_length(model, generation_config, needed: int) -> int:
 
 
 def check_rollback(model, cache) -> None:
-    """A clear error for a cache MARS cannot roll back (quantized, offloaded, linear-attention, state-space)."""
+    """A clear error for a cache MARS cannot roll back (quantized, offloaded, linear-attention, state-space). An
+    empty static cache of a sliding-window model passes: MARS decodes into `full_static_cache` instead."""
+    if STATIC_CACHE_SUPPORTED and rebuilt_for_windows(cache):
+        return
     odd = [layer for layer in getattr(cache, "layers", None) or [] if type(layer) not in ROLLBACK_LAYERS]
     if odd or getattr(cache, "is_croppable", True) is False:  # (is_croppable: transformers >= 5.17)
         names = sorted({type(layer).__name__ for layer in odd})
         model_type = getattr(model.config, "model_type", type(model).__name__)
-        if names and all("SlidingWindow" in name for name in names):  # a sliding-window model's StaticCache
+        if not odd and any(type(layer) is StaticSlidingWindowLayer for layer in cache.layers):
+            advice = ("A static sliding-window layer holding a prefix rolls back only while the whole call fits "
+                      "in its window: pass an empty StaticCache (MARS then sizes its own) or the dynamic cache.")
+        elif names and all("SlidingWindow" in name for name in names):
             advice = "For this model (sliding-window layers) use the default dynamic cache."
         else:
             advice = ("Use the default dynamic cache or cache_implementation='static' (transformers >= 5.24; "
@@ -65,6 +78,29 @@ def check_rollback(model, cache) -> None:
         raise ValueError(
             f"MARS decoding rolls the KV cache back after every step; {type(cache).__name__} of {model_type!r} "
             f"({', '.join(names) or 'not croppable'}) cannot do that. {advice}")
+
+
+def rebuilt_for_windows(cache) -> bool:
+    """Whether ``cache`` is an empty static cache with sliding-window layers (generate's for Gemma 3 or Mistral):
+    MARS decodes into `full_static_cache` instead, which rolls back however long the call."""
+    layers = getattr(cache, "layers", None) or []
+    return (any(type(layer) is StaticSlidingWindowLayer for layer in layers)
+            and all(type(layer) in (StaticLayer, StaticSlidingWindowLayer) for layer in layers)
+            and not getattr(cache, "offloading", False) and cache.get_seq_length() == 0)
+
+
+def full_static_cache(model, size: int) -> StaticCache:
+    """A static cache of ``size`` positions in every layer, sliding-window ones too.
+
+    A static sliding-window layer keeps only its window and, once full, overwrites the oldest column: the masks a
+    step wrote cannot be cropped back out. A full-length layer rolls back like any static layer, and stays exact:
+    the model builds its sliding-window attention mask from the cache's positions (a full layer reports its whole
+    length from offset 0, `StaticLayer.get_mask_sizes`), so those layers still attend to their window only, as
+    in plain decoding (rows move in lockstep, as on a dynamic sliding-window cache). The cost: sliding layers
+    hold, and attend over, the whole call rather than their window."""
+    cache = StaticCache(config=model.config, max_cache_len=size)
+    cache.layers = [StaticLayer(max_cache_len=size) for _ in cache.layers]
+    return cache
 
 
 def static_rollback_problem(model) -> str | None:
@@ -81,25 +117,27 @@ def has_sliding_layers(cache) -> bool:
     """Whether ``cache`` holds sliding-window layers: then batch rows move in lockstep and a draft tree cannot run
     (`tree.refusal`). ``has_sliding_layers(DynamicCache(config=model.config))`` answers it for a model's default
     cache before any call."""
-    return DynamicSlidingWindowLayer in {type(layer) for layer in getattr(cache, "layers", [])}
+    return any(isinstance(layer, SLIDING_LAYERS) for layer in getattr(cache, "layers", []))
 
 
 class RollbackCache:
     """The cache, its real length and the 2D mask over its columns (None while every column is real)."""
 
-    def __init__(self, model, generation_config, cache, batch: int, needed: int):
+    def __init__(self, model, generation_config, cache, batch: int, needed: int, prompt_attention=None):
+        """``prompt_attention``: the prompt's 2D attention mask (None: no padding); a cache that already holds the
+        prompt's first columns (prompt reuse) starts with those columns' share of it."""
         if cache is None:  # generate always prepares one; be safe if it did not
             cache = DynamicCache(config=model.config)
         layers = getattr(cache, "layers", [])
-        kinds = {type(layer) for layer in layers}
         # sliding-window layers count cache columns, so a masked-out column inside the window would shorten it:
-        # they keep their past until each crop (rollback), and batch rows move in lockstep (no ragged columns)
+        # batch rows move in lockstep (no ragged columns); dynamic ones keep their past until each crop (rollback)
         self.sliding = has_sliding_layers(cache)
-        if self.sliding:
+        self.trims_window = any(type(layer) is DynamicSlidingWindowLayer for layer in layers)
+        if self.trims_window:
             record_sliding_past(cache)
         # a static cache holds a fixed number of columns: it must fit the prompt, the new tokens and one step's
         # masks / drafts beyond them (ragged rows' masked columns are compacted away in place to keep that room)
-        self.static = StaticLayer in kinds
+        self.static = any(isinstance(layer, StaticLayer) for layer in layers)
         if self.static:
             capacity = min(static_capacity(layer) for layer in layers)
             if cache.get_seq_length() > 0:  # a cache that holds a prefix is used as it is
@@ -109,14 +147,19 @@ class RollbackCache:
                         f"tokens + one step's masks and drafts). Pass StaticCache(config, max_cache_len={needed}).")
             else:  # an empty one (generate's, sized for this call's plain decoding): see `static_cache_length`
                 size = static_cache_length(model, generation_config, needed)
-                if capacity != size and (getattr(cache, "offloading", False)
-                                         or not resize_unallocated_static(layers, size)):
+                if rebuilt_for_windows(cache):
+                    cache = full_static_cache(model, size)
+                elif capacity != size and (getattr(cache, "offloading", False)
+                                           or not resize_unallocated_static(layers, size)):
                     cache = StaticCache(config=model.config, max_cache_len=size)
         self.cache = cache
         self.static_len = min(static_capacity(layer) for layer in cache.layers) if self.static else 0
         self.batch = batch
+        self.length = int(cache.get_seq_length())  # a prefix the caller cached (prompt reuse), else 0 (a static
+        # layer answers with its own position tensor: copied, never aliased)
         self.attn = None
-        self.length = 0
+        if self.length and prompt_attention is not None and not bool(prompt_attention[:, :self.length].all()):
+            self.attn = prompt_attention[:, :self.length].long()
 
     def attention_mask(self, col_real, device):
         """The 2D mask for a forward over the cache plus a chunk whose real columns are ``col_real``."""
@@ -132,7 +175,7 @@ class RollbackCache:
     def roll_back(self, drop: int, kept_real, keep: int, device) -> None:
         """Crop the last ``drop`` columns the forward wrote; the ``keep`` before them stay (``kept_real``: which
         of those are real per row, None when all are)."""
-        if drop or self.sliding:  # crop(0) trims sliding layers back to their window
+        if drop or self.trims_window:  # crop(0) trims dynamic sliding layers back to their window
             self.cache.crop(-drop)
         self._append(kept_real, keep, device)
 

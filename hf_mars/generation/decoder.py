@@ -51,7 +51,9 @@ class MARSDecoder:
                            one_token=single, block=opts.cache in ("block", "block_trained"), chunk=opts.cache_block)
         self.limits = limits = Limits(self.clients, generation_config, self.shape, opts.verify, P, self.device)
         self.cache = RollbackCache(model, generation_config, model_kwargs.get(cache_key(model_kwargs)), b,
-                                   needed=P + max(limits.max_new, 0) + limits.step_room)
+                                   needed=P + max(limits.max_new, 0) + limits.step_room,
+                                   prompt_attention=model_kwargs.get("attention_mask"))
+        self.cached_prompt = self.cache.length  # prompt columns a cache passed in already holds (prompt reuse)
         self.history = History(input_ids, self.clients.reads_history, limits, streamer)  # seq, the streamer
         self.prompt = Prompt(model, input_ids, model_kwargs.get("attention_mask"),
                              needed_positions=P + limits.max_new + limits.max_slots,
@@ -61,7 +63,7 @@ class MARSDecoder:
         self.calls = ModelCalls(model, opts, self.shape, self.cache, generation_config, model_kwargs, reads_scores,
                                 self.mask_token_id, b, self.device)
         self.shape.fixed_width = self.calls.fixed_width
-        self.rows = Rows.new(b, P, limits.max_new, self.prompt.tokens)  # every per-row value: `merge` / `keep_rows`
+        self.rows = Rows.new(b, P - self.cached_prompt, limits.max_new, self.prompt.tokens)  # every per-row value: `merge` / `keep_rows`
         self.row_tensors = RowTensors()  # the per-row values on the device: taus, verify sampling's drafts' q
         self.copies_failed = False  # a stateful processor could not be copied (`acceptor.disposable_chain`)
         self.tree_shape = None  # verify mode's draft tree (`tree.TreeDecoder`); None: no tree
@@ -117,7 +119,7 @@ class MARSDecoder:
         Returns input_ids, position_ids and which columns are real (None when all are)."""
         b, dev = self.batch, self.device
         if plan.first:  # prefill: [prompt | masks], the same number of masks in every row
-            return self.prompt.prefill_chunk(plan.masks[plan.rows[0]], self.mask_token_id)
+            return self.prompt.prefill_chunk(plan.masks[plan.rows[0]], self.mask_token_id, self.cached_prompt)
         if b == 1:  # no padding ever
             offset = self.rows.prompt_tokens[0] + self.rows.fed[0]
             col_real = None if self.cache.attn is None else torch.ones(1, plan.width, dtype=torch.bool, device=dev)

@@ -91,7 +91,7 @@ def plan_step(dec) -> StepPlan:
     b, opts, rows, shape = dec.batch, dec.opts, dec.rows, dec.shape
     unfinished, emitted, limit, in_chunk = rows.unfinished, rows.emitted, rows.limit, rows.in_chunk
     block, verify, candidates, fixed_width = shape.block, opts.verify, shape.candidates, shape.fixed_width
-    first = rows.fed[0] == -dec.prompt_len
+    first = rows.at_prefill
     # a row at tau >= 1 reads candidate 0 only; masks are fed unless every row is such a row (the masks must
     # occupy the same last columns in every row, so that one crop drops them all)
     single = [shape.one_token or (t is not None and one_token(t)) for t in rows.tau]

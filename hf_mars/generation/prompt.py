@@ -38,18 +38,20 @@ class Prompt:
         self.last_position = limit - 1 if self.max_positions and needed_positions > limit else None
         self.positions = positions(max_positions, dev)
 
-    def prefill_chunk(self, masks: int, mask_token_id: int):
-        """The prefill's inputs: [prompt | masks], the same number of masks in every row. Returns input_ids,
-        position_ids and which columns are real (None when all are)."""
+    def prefill_chunk(self, masks: int, mask_token_id: int, cached: int = 0):
+        """The prefill's inputs: [prompt | masks], the same number of masks in every row, without the prompt's
+        first ``cached`` columns (a cache passed in holds them: prompt reuse). Returns input_ids, position_ids and
+        which columns are real (None when all are)."""
         b, P = self.ids.shape
         dev = self.ids.device
         mask_block = device_constant(((mask_token_id,) * masks,) * b, dev)
-        input_ids = torch.cat((self.ids, mask_block), 1)
+        input_ids = torch.cat((self.ids[:, cached:], mask_block), 1)
         if self.attn is None:  # no padding: positions 0.. in every row
-            position_ids = self.positions[:, :P + masks]
+            position_ids = self.positions[:, cached:P + masks]
             return input_ids, position_ids if b == 1 else position_ids.expand(b, -1), None
-        position_ids = torch.cat([self.pos, self.real[:, None] + self.positions[:, :masks]], dim=1)
-        col_real = torch.cat([self.attn.bool(), torch.ones(b, masks, dtype=torch.bool, device=dev)], dim=1)
+        position_ids = torch.cat([self.pos[:, cached:], self.real[:, None] + self.positions[:, :masks]], dim=1)
+        col_real = torch.cat([self.attn[:, cached:].bool(), torch.ones(b, masks, dtype=torch.bool, device=dev)],
+                             dim=1)
         return input_ids, position_ids, col_real
 
     def clamped(self, position_ids):

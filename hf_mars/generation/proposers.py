@@ -27,7 +27,7 @@ def choose_layout(dec):
     laid out by `plan.plan_step`). Where the call opted into a per-step policy (`policy.py`: draft_tree='cost',
     threshold mode's plain_steps), it chooses each decode step's layout here, from the decoder's per-step inputs
     (``dec.rows``, ``dec.shape``) and the measured cost of a step's width; every choice is lossless."""
-    first = dec.rows.fed[0] == -dec.prompt_len
+    first = dec.rows.at_prefill
     if dec.policy is not None and not first:
         dec.policy.choose_step(dec)
     if dec.tree_shape is None:

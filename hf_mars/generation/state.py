@@ -32,7 +32,7 @@ class Rows:
     """Per-row state on the host (python lists, one entry per row): mirrors that cost no device sync."""
 
     emitted: list  # tokens emitted
-    fed: list  # generated index of the first token not in the cache (-P: the prompt is not fed yet)
+    fed: list  # generated index of the first token not in the cache (< 0 before the prefill: -(prompt columns to feed))
     unfinished: list
     in_chunk: list  # block cache: tokens accepted in the current chunk
     tokens: list  # each row's emitted tokens
@@ -47,12 +47,18 @@ class Rows:
 
     @classmethod
     def new(cls, b: int, prompt_len: int, limit: int, prompt_tokens: list) -> Rows:
+        """``prompt_len``: the prompt columns the prefill feeds (those a cache passed in holds aside)."""
         return cls(emitted=[0] * b, fed=[-prompt_len] * b, unfinished=[True] * b, in_chunk=[0] * b,
                    tokens=[[] for _ in range(b)], drafts=[[] for _ in range(b)], forwards=[0] * b, streamed=[0] * b,
                    limit=[limit] * b, prompt_tokens=list(prompt_tokens), tau=[None] * b)
 
     def __len__(self) -> int:
         return len(self.emitted)
+
+    @property
+    def at_prefill(self) -> bool:
+        """Whether the next step is the prefill (every row's fed is negative until it, 0 after it)."""
+        return self.fed[0] < 0
 
     def select(self, keep: list) -> None:
         """Keep only the rows ``keep`` (in that order)."""
