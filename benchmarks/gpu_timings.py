@@ -116,6 +116,8 @@ def main(argv=None):
     p.add_argument("--compiled-batch-sizes", type=int, nargs="+", default=None,
                    help="batch sizes that also time the static cache + torch.compile modes (default: all); each new "
                         "batch size compiles again, the largest share of the script's time")
+    p.add_argument("--modes", nargs="+", default=None,
+                   help="only these modes (e.g. ar ar_static_compile verify_static_compile); plain 'ar' always runs")
     p.add_argument("--deadline-s", type=float, default=None,
                    help="seconds after which no further mode is started (recorded as skipped): a lease's time is "
                         "fixed, and what ran before must come back")
@@ -170,6 +172,8 @@ def main(argv=None):
             }
             if b > 1:
                 del configs["prompt_lookup"]  # transformers runs prompt lookup at batch 1 only
+            if args.modes is not None:  # (plain eager generate is every speed-up's reference)
+                configs = {name: kw for name, kw in configs.items() if name == "ar" or name in args.modes}
             if args.compiled_batch_sizes is not None and b not in args.compiled_batch_sizes:
                 configs = {name: kw for name, kw in configs.items() if "compile_config" not in kw}
             for name, kw in configs.items():
