@@ -105,7 +105,8 @@ def full_static_cache(model, size: int) -> StaticCache:
 
 def static_rollback_problem(model) -> str | None:
     """Why MARS cannot decode ``model`` on a static cache (None: it can): `check_rollback`'s message for the
-    StaticCache transformers builds for it (a sliding-window model's has layers that cannot roll back)."""
+    StaticCache transformers builds for it (one with linear-attention layers, say; a sliding-window model's is
+    decoded into `full_static_cache`)."""
     try:
         check_rollback(model, StaticCache(config=model.config, max_cache_len=8))
     except ValueError as exc:
