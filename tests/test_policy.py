@@ -505,6 +505,42 @@ def test_auto_warm_up_drops_a_layout_one_call_showed_far_slower():
     assert record.best() == "chain" and len(seen) == 2 * call_record.WARM_CALLS + 1  # 2.2 tok per 2.2 ms
 
 
+def test_auto_keeps_its_fastest_layout_through_a_slowed_call():
+    """A layout's time per step is a low quantile of its calls': one call the machine slowed (preempted, sharing
+    its cores; 3x here) does not hand the lead to another layout until the next probe, as a mean of the recent
+    calls did; a slowdown that stays is followed."""
+    record = call_record.CallRecord(untimed=0)
+    speed = {"tree": (9, 0.0025), "chain": (6, 0.0022), "plain": (0, 0.002)}
+    while record.best() is None:
+        layout = record.choose()
+        record.observe(layout, _calls(speed[layout][0]), 10, 10 * speed[layout][1])
+    assert record.best() == "tree"  # 2.8 tokens per 2.5 ms, against the chain's 2.2 per 2.2 and plain's 1 per 2
+    record.observe("tree", _calls(9), 10, 10 * 0.0025 * 3)
+    assert record.best() == "tree" and record.step_seconds["tree"] < 0.0025 * 1.15
+    for _ in range(60):
+        record.observe("tree", _calls(9), 10, 10 * 0.0025 * 2)
+    assert record.best() == "chain"
+
+
+def test_auto_probes_a_far_slower_layout_less_often():
+    """After the warm-up, a contender (within CONTENTION of the best rate) is tried again every PROBE_CALLS calls,
+    a layout far behind (plain steps at a third of the tree's rate, here) only every FAR_PROBE_CALLS: each such
+    probe costs a slow call and refreshes only that layout's step time."""
+    record = call_record.CallRecord(untimed=0)
+    speed = {"tree": (9, 0.0025), "chain": (6, 0.0022), "plain": (0, 0.0025)}
+    while record.best() is None:
+        layout = record.choose()
+        record.observe(layout, _calls(speed[layout][0]), 10, 10 * speed[layout][1])
+    seen = []
+    for _ in range(2 * call_record.FAR_PROBE_CALLS):
+        layout = record.choose()
+        seen.append(layout)
+        record.observe(layout, _calls(speed[layout][0]), 10, 10 * speed[layout][1])
+    probes = [i for i, layout in enumerate(seen) if layout != "tree"]
+    assert seen.count("plain") == 1 and seen.count("chain") >= 6  # plain: 1 per FAR_PROBE_CALLS; chain: ~1 per 33
+    assert seen.index("plain") >= call_record.FAR_PROBE_CALLS - 1 and probes[0] == call_record.PROBE_CALLS
+
+
 def test_a_records_first_call_is_not_timed():
     """A process's first call for a model and batch size pays one-time costs; timed, they would fall on the
     warm-up's first layout, the tree, and one such call (here 3x a warm one) would drop it from contention. Its

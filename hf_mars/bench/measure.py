@@ -15,12 +15,14 @@ would reach if neither loop had any overhead outside the model's forward
 own time per step — the part a faster loop can win back.
 
 AR and MARS run in the same process, on the same batches, interleaved per batch
-size, after a warm-up; each figure is the median over ``repeats``.
+size (each repeat in its own seeded order), after a warm-up; each figure is the
+median over ``repeats``.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -250,7 +252,12 @@ class _Bench:
 
     def generate_all(self, b: int) -> dict:
         """``{label: (spec, [runs per repeat])}`` at batch size ``b``, repeats interleaved across configurations
-        (load drift on a shared machine hits all of them alike); each run is one `_generate_once` per batch."""
+        (load drift on a shared machine hits all of them alike); each run is one `_generate_once` per batch.
+
+        Each repeat runs the configurations in its own seeded order: what ran just before a configuration (another
+        mode's allocations and cache state) otherwise favours or penalises the same one in every repeat. On the
+        demo checkpoint at batch 16, verify 'auto' run right after 'chain' measured 1.03x it, right before it
+        0.92x, the same layout chosen in both (5 repeats each)."""
         batches = make_batches(self.encoded, b, self.pad_id, self.num_prompts)
         batch_specs = [spec for spec in self.specs if not (spec.mode == "prompt_lookup" and b > 1)]  # batch 1 only
         per_spec = {spec.label: (spec, []) for spec in batch_specs}
@@ -259,8 +266,10 @@ class _Bench:
             for spec in batch_specs:
                 for bt in warm_up_batches(batches, self.warmup, compiled="compile_config" in spec.kwargs):
                     once(bt, spec, recorder)
-            for _ in range(self.repeats):
-                for spec in batch_specs:
+            for repeat in range(self.repeats):
+                order = list(batch_specs)
+                random.Random(1000 * b + repeat).shuffle(order)
+                for spec in order:
                     self.bar.set_postfix_str(f"b={b} {spec.label}")
                     per_spec[spec.label][1].append([once(bt, spec, recorder) for bt in batches])
                     self.bar.update(1)

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 
+from .cost import FALL, RISE
+
 CALL_LAYOUTS = ("tree", "chain", "plain")  # the warm-up's order; 'plain': 1-token steps (no masks), greedy's own
-# `MARSEngine`'s per-step choice, a step being a short call: ~20 recent steps weighed per layout, 8 warm-up steps
-ENGINE_LAYOUTS, ENGINE_STEP_DECAY, ENGINE_WARM_STEPS = ("tree", "chain"), 0.95, 8
+# `MARSEngine`'s per-step choice, a step being a short call: 8 warm-up steps per layout
+ENGINE_LAYOUTS, ENGINE_WARM_STEPS = ("tree", "chain"), 8
 WARM_CALLS = 3  # calls of each layout still in contention before the fastest is kept
 # after one call each, a layout measured below this share of the best one's rate leaves the warm-up (successive
 # elimination): a short process should not spend its few calls confirming what one call showed (plain steps at
 # 1 token per forward against drafts at 2.7, say); this margin is about twice a single call's timing noise here
 CONTENTION = 0.75
 COLD_CALLS = 1  # a record's first call is not timed (`CallRecord.untimed`)
-PROBE_CALLS = 32  # calls with the fastest layout before another is tried again (the load may have changed)
-STEP_DECAY = 0.7  # per call of a layout, the weight left to its earlier calls' seconds and steps
+PROBE_CALLS = 32  # calls with the fastest layout before another is tried again (the load may have changed) ...
+FAR_PROBE_CALLS = 4 * PROBE_CALLS  # ... calls since a layout below CONTENTION x the best rate last ran, for it
+PROGRESS_DECAY = 0.7  # per call of a layout, the weight left to its earlier calls' answers and forwards
 POOL_DECAY = 0.98  # per call, the weight left to earlier calls' draft counts (about the last 50 calls count)
 
 
@@ -36,12 +39,14 @@ class CallRecord:
     accepted in such a step). The share is the layout's own (the tree has drafts after a rejection, the chain has
     not) and hardly moves with the prompts; the drafts accepted are the masks' quality on the text, the same for
     every layout, so they are pooled over all calls: measured per layout on different prompts they would differ by
-    more than the layouts do. A step's time is each layout's own (width, host work, load): its recent calls' decode
-    seconds over their decode steps (a short answer's few steps weigh little). `MARSEngine` keeps one per model and
-    number of rows (``ENGINE_LAYOUTS``), each step of its batch a call of one step."""
+    more than the layouts do. A step's time is each layout's own (width, host work, load): a low quantile of its
+    calls' seconds per decode step, tracked as `cost.StepCosts` tracks a step's (a call faster than the estimate
+    moves it by FALL of the gap, a slower one by RISE). A mean would let one call the machine slowed (preempted,
+    sharing its cores) hand the lead to another layout until the next probe, 32 calls on: on the demo checkpoint at
+    batch 1 `auto` then ran 0.78-0.90x its best fixed layout. `MARSEngine` keeps one per model and number of rows
+    (``ENGINE_LAYOUTS``), each step of its batch a call of one step."""
 
     layouts: tuple = CALL_LAYOUTS  # what it chooses between, the warm-up's order
-    step_decay: float = STEP_DECAY
     warm_calls: int = WARM_CALLS
     # the record's first calls whose time is not kept (their draft counts are): a process's first call for a model
     # and batch size pays one-time costs (allocations, kernel choices for new shapes) that would be charged to the
@@ -50,7 +55,7 @@ class CallRecord:
     drafted_steps: float = 0.0  # every call (decayed by POOL_DECAY a call): row-steps that started with drafts ...
     drafted_tokens: float = 0.0  # ... and the tokens they emitted
     with_drafts: dict = dataclasses.field(default_factory=dict)  # layout -> [drafted row-steps, row-steps]
-    step_seconds: dict = dataclasses.field(default_factory=dict)  # layout -> [seconds, decode steps], decayed
+    step_seconds: dict = dataclasses.field(default_factory=dict)  # layout -> seconds per decode step (low quantile)
     calls: dict = dataclasses.field(default_factory=dict)
     last_call: dict = dataclasses.field(default_factory=dict)  # layout -> the call count when it last ran
     since_probe: int = 0
@@ -61,8 +66,7 @@ class CallRecord:
         return 1.0 + (drafted / steps if steps else 0.0) * gain
 
     def rate(self, layout: str) -> float:
-        seconds, steps = self.step_seconds[layout]
-        return self.tokens_per_forward(layout) * steps / seconds
+        return self.tokens_per_forward(layout) / self.step_seconds[layout]
 
     def warming(self) -> str | None:
         """The layout the warm-up runs next (None: it is over): each layout until it has a timed call, in
@@ -82,15 +86,24 @@ class CallRecord:
         return max(self.layouts, key=self.rate)
 
     def choose(self) -> str:
-        """The layout of the next call: the warm-up's (`warming`), then the fastest, and every PROBE_CALLS calls
-        the one tried longest ago."""
+        """The layout of the next call: the warm-up's (`warming`), then the fastest; PROBE_CALLS calls after the
+        last probe, the layout tried longest ago among the contenders (within CONTENTION of the best rate) and
+        those that have not run for FAR_PROBE_CALLS calls.
+
+        A probe of a far slower layout costs what it loses (plain steps at batch 1 on the demo checkpoint: a call
+        2.6x the tree's, every 64 calls, 2.5% of the time), and it only refreshes that layout's step time: its
+        tokens per forward follow the pooled draft counts every call (masks that stop paying bring plain steps
+        back without a probe)."""
         warm = self.warming()
         if warm is not None:
             return warm
         best = max(self.layouts, key=self.rate)
-        if self.since_probe >= PROBE_CALLS:
-            return min((layout for layout in self.layouts if layout != best), key=lambda l: self.last_call.get(l, -1))
-        return best
+        if self.since_probe < PROBE_CALLS:
+            return best
+        top, calls = self.rate(best), sum(self.calls.values())
+        due = [layout for layout in self.layouts if layout != best and (
+            self.rate(layout) >= CONTENTION * top or calls - self.last_call.get(layout, -1) > FAR_PROBE_CALLS)]
+        return min(due, key=lambda layout: self.last_call.get(layout, -1)) if due else best
 
     def observe(self, layout: str, outputs, steps: int, seconds: float) -> None:
         """A call ran: its draft counts (`outputs.Outputs.count_drafted`) and its time over its steps."""
@@ -105,14 +118,16 @@ class CallRecord:
 
     def timed(self, layout: str, seconds: float, steps: int) -> None:
         """A call of ``layout`` took ``seconds`` for its ``steps`` decode steps: counted, and, past the untimed first
-        calls, kept in the layout's decayed time (what `rate` reads, here and in `ThresholdCallRecord`)."""
+        calls, moves the layout's low quantile of seconds per step (what `rate` reads, here and in
+        `ThresholdCallRecord`)."""
         self.last_call[layout] = sum(self.calls.values())
         self.calls[layout] = self.calls.get(layout, 0) + 1
         if self.untimed > 0:
             self.untimed -= 1
             return
-        spent, stepped = self.step_seconds.get(layout, (0.0, 0))
-        self.step_seconds[layout] = (self.step_decay * spent + seconds, self.step_decay * stepped + steps)
+        per_step, old = seconds / steps, self.step_seconds.get(layout)
+        self.step_seconds[layout] = per_step if old is None else old + (FALL if per_step < old else RISE) * (
+            per_step - old)
         best = self.best()
         self.since_probe = 0 if (best is not None and layout != best) else self.since_probe + 1
 
@@ -130,7 +145,7 @@ class ThresholdCallRecord(CallRecord):
     call's batch runs until its last row is done, and that row emits fewer tokens per step than the rows' mean (on
     the demo checkpoint on a CPU at batch 16 the per-step choice kept drafting at 0.75-0.8x plain `generate`, plain
     steps throughout ran 1.0x). So a layout's speed is its calls' longest answer per forward (exactly 1 for plain
-    calls; pooled over calls, decayed like the time) times its decode steps per second: both hardly move with the
+    calls; pooled over its calls, decayed by PROGRESS_DECAY a call) times its decode steps per second: both hardly move with the
     prompt, where a call's tokens per second moves with its answers' lengths. `MARSEngine`'s rows join and leave:
     it keeps the per-step choice."""
 
@@ -146,5 +161,5 @@ class ThresholdCallRecord(CallRecord):
         if longest <= 0 or forwards <= 0 or steps <= 0 or seconds <= 0:
             return
         tokens, counted = self.progress.get(layout, (0.0, 0.0))
-        self.progress[layout] = (self.step_decay * tokens + longest, self.step_decay * counted + forwards)
+        self.progress[layout] = (PROGRESS_DECAY * tokens + longest, PROGRESS_DECAY * counted + forwards)
         self.timed(layout, seconds, steps)

@@ -36,8 +36,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from .call_record import (CALL_LAYOUTS, ENGINE_LAYOUTS, ENGINE_STEP_DECAY, ENGINE_WARM_STEPS, CallRecord,
-                          ThresholdCallRecord)
+from .call_record import CALL_LAYOUTS, ENGINE_LAYOUTS, ENGINE_WARM_STEPS, CallRecord, ThresholdCallRecord
 
 EMA = 0.2  # the drafting steps' width, averaged
 # drafts accepted and predicted, averaged over ~1/RECORD steps; before the drafts have a record one accepted draft
@@ -378,7 +377,7 @@ def record_for(model, rows: int, loop: str = "tree"):
     from .cost import model_key, per_model
 
     make = {"tree": DraftRecord, "chunk": ThresholdRecord, "call": CallRecord,
-            "engine": lambda: CallRecord(ENGINE_LAYOUTS, ENGINE_STEP_DECAY, ENGINE_WARM_STEPS),
+            "engine": lambda: CallRecord(ENGINE_LAYOUTS, warm_calls=ENGINE_WARM_STEPS),
             "call-chain": lambda: CallRecord(CALL_LAYOUTS[1:]),  # (no tree: the chain or plain)
             "threshold-call": ThresholdCallRecord}[loop]
     return per_model(_RECORDS, (model_key(model), int(rows), loop), model, make)
