@@ -390,7 +390,7 @@ def test_ci_jobs_are_the_ones_the_readme_counts():
     words = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
     prose = _prose()
     assert f"`bash .ci/run` builds fresh virtual environments and runs {words[len(jobs)]} jobs" in prose, jobs
-    for test_file in ("tests/test_real_model.py", "tests/test_vllm.py"):  # the steps of their own
+    for test_file in ("tests/test_real_model.py", "tests/test_vllm.py", "tests/test_vllm_registered.py"):  # own steps
         assert (test_file in script) == (f"`{test_file}`" in prose), test_file
 
 

@@ -209,8 +209,8 @@ def test_install_registers_mars_where_vllm_has_the_registry(fake_vllm, monkeypat
     with caplog.at_level("WARNING", logger="vllm.hf_mars"):
         _patches.install()
     assert _patches._problems == []
-    # never presented as tested: one warning says the path has not yet run inside vLLM
-    assert [r.getMessage() for r in caplog.records if "has not yet run inside vLLM" in r.getMessage()]
+    # never presented as tested: one warning says the path has not yet run inside vLLM's engine
+    assert [r.getMessage() for r in caplog.records if "has not yet run inside vLLM's engine" in r.getMessage()]
     config = fake_vllm.registered["mars"]
     assert config.__name__ == "MarsSpeculatorConfig" and issubclass(config, _FakeSpeculatorConfig)
     assert config.speculator_class == "hf_mars.vllm.speculator_gpu.MarsSpeculator"

@@ -17,7 +17,7 @@ __all__ = ["register", "speculative_config"]
 
 def register() -> None:
     """vLLM plugin entry point, once per process: the wrappers of ``_patches.py`` on vLLM 0.32-0.33, or on vLLM
-    >= 0.34 the registered method of ``speculator.py`` (NOT YET RUN). Never raises: on a vLLM it does not support
+    >= 0.34 the registered method of ``speculator.py`` (NOT YET RUN in an engine). Never raises: on a vLLM it does not support
     it logs one warning and steps aside (``_patches.install`` says why)."""
     try:
         from . import _patches

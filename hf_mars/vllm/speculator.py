@@ -1,10 +1,12 @@
 """MARS as a registered speculative method of vLLM >= 0.34 (the V2 model runner, the only one there).
 
-NOT YET RUN. Written against vLLM 0.34.0's source; no CPU build of vLLM 0.34 exists and no GPU was lent when it
-was written, so nothing here has run inside vLLM (``benchmarks/gpu_check.sh`` is its first run). Tested without
-vLLM (tests/test_vllm_speculator.py, with fakes standing in for vLLM's base classes): the draft bookkeeping it
-shares with the 0.32 path (``drafts.py``), this config, ``MarsSpeculator.propose`` on CPU tensors, and the
-registration branch of ``_patches.install``.
+NOT YET RUN in an engine: no CPU build of vLLM 0.34 exists, so no engine has decoded with it
+(``benchmarks/gpu_check.sh`` is its first engine run). Everything up to the engine is tested against vLLM 0.34.0's
+own package on CPU (tests/test_vllm_registered.py, CI's vLLM 0.34 job): vLLM's plugin loader registers "mars",
+``{"method": "mars"}`` goes through vLLM's EngineArgs into its SpeculativeConfig by this config, vLLM's
+``init_speculator`` builds ``MarsSpeculator`` on its ``DraftModelSpeculator``, and ``propose`` runs on vLLM's
+``InputBatch``. Without vLLM (tests/test_vllm_speculator.py, fakes for vLLM's base classes): the draft bookkeeping
+shared with the 0.32 path (``drafts.py``) and the registration branch of ``_patches.install``.
 
 vLLM 0.34 lets a plugin add a method: ``register_speculative_method("mars", MarsSpeculatorConfig)``, after which
 ``{"method": "mars"}`` is accepted and ``speculator_options`` reaches ``MarsSpeculatorConfig.configure``. vLLM

@@ -1,5 +1,6 @@
-"""The MARS speculator inside vLLM >= 0.34's GPU model runner (``speculator.py`` registers it). NOT YET RUN:
-written against vLLM 0.34.0's source, never run (no CPU build of 0.34, no GPU when written).
+"""The MARS speculator inside vLLM >= 0.34's GPU model runner (``speculator.py`` registers it). NOT YET RUN in an
+engine (no CPU build of 0.34); built by vLLM 0.34.0's own init_speculator and run on its InputBatch on CPU
+(tests/test_vllm_registered.py).
 
 Each step a request is fed ``[last token | pending drafts | masks]`` as its speculative tokens; vLLM's rejection
 sampler verifies them and stops at the first mask (``forbid_mask``); ``propose`` reads the hidden states at the

@@ -1,0 +1,275 @@
+"""vLLM >= 0.34's path (a registered speculative method) against the installed vLLM package itself, no engine.
+
+CI's vLLM 0.34 job installs vLLM 0.34.0's own package on the CPU without its CUDA kernel dependencies, which no
+CPU can load, so no engine starts there; everything vLLM runs before and around the engine does. These tests run
+what of the MARS path that covers, with vLLM's own code where tests/test_vllm_speculator.py has fakes:
+
+- the plugin, loaded by vLLM's own plugin loader: every contract check_contracts_v2 reads holds, "mars" is in
+  vLLM's registry, and vLLM's CLI starts with it (and beside a release the plugin does not know, with "mars"
+  refused in one sentence);
+- ``{"method": "mars"}`` through vLLM's EngineArgs into its SpeculativeConfig (what MarsSpeculatorConfig sets,
+  and what it refuses);
+- MarsSpeculator built by vLLM's init_speculator on vLLM's DraftModelSpeculator, the attributes the V2 runner
+  reads on a speculator (read from the runner's source), and propose() on vLLM's InputBatch.
+
+Whether the V2 runner then decodes exactly as plain vLLM does needs an engine: benchmarks/gpu_check.sh on a GPU.
+Skipped where the installed vLLM has no registry (0.32-0.33: tests/test_vllm.py) or where there is no vLLM.
+"""
+
+import dataclasses
+import inspect
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from hf_mars.vllm import _patches, speculative_config
+
+pytestmark = pytest.mark.skipif(not _patches.uses_registration(),
+                                reason="needs a vLLM with register_speculative_method (>= 0.34; CI's vLLM 0.34 job)")
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny random Qwen2 MARS checkpoint (config.mars with the mask id and block size) on disk."""
+    from hf_mars import add_mask_token
+    from hf_mars.testing_utils import build_char_tokenizer, tiny_qwen2
+
+    tok = build_char_tokenizer()
+    model = tiny_qwen2(tok, seed=0, max_position=256, num_heads=2, num_kv_heads=1)
+    add_mask_token(model, tok)
+    model.config.mars = {**model.config.mars, "block_size": BLOCK, "mask_token": "<|mask|>"}
+    path = tmp_path_factory.mktemp("mars-ckpt")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def plugin():
+    """The plugin as vLLM loads it: its general-plugin loader, once per process."""
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    return _patches
+
+
+def _engine_args(checkpoint, spec):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(checkpoint), dtype="float32", max_model_len=256, enforce_eager=True,
+                      speculative_config=spec)
+
+
+def _speculative(checkpoint, spec):
+    from vllm.config import ParallelConfig
+
+    args = _engine_args(checkpoint, spec)
+    return args.create_speculative_config(args.create_model_config(), ParallelConfig())
+
+
+def test_vllms_plugin_loader_registers_mars_and_every_contract_holds(plugin):
+    from vllm.v1.worker.gpu.spec_decode.speculator_config import registered_speculative_methods
+
+    assert plugin.check_contracts_v2() == []
+    assert plugin._problems == [], plugin._problems
+    assert "mars" in registered_speculative_methods()
+
+
+def test_engine_args_build_the_mars_speculative_config(plugin, checkpoint):
+    from hf_mars.vllm.speculator import MarsSpeculatorConfig
+
+    spec = _speculative(checkpoint, speculative_config(batch_ladder="1:4,16:2,64:0"))
+    assert spec.custom_method == "mars" and spec.method is None  # vLLM's form for a custom method of no base
+    assert isinstance(spec.speculator_config, MarsSpeculatorConfig)
+    assert spec.num_speculative_tokens == 2 * BLOCK  # [pending drafts | masks], one width for every request
+    assert spec.num_speculative_tokens_per_batch_size == [(1, 15, 8), (16, 63, 4), (64, 1 << 20, 0)]
+    assert spec.draft_model_config is spec.target_model_config  # no draft checkpoint
+    assert spec.speculator_config.num_prefill_lookahead_tokens == 0
+    assert _speculative(checkpoint, speculative_config(block_size=2)).num_speculative_tokens == 4
+
+
+@pytest.mark.parametrize("spec, message", [
+    (speculative_config(tau_ladder="0:1,4:0.9"), "tau_ladder"),
+    ({"method": "mars", "num_speculative_tokens": 3}, "cannot be combined"),
+    ({"method": "mars", "draft_sample_method": "probabilistic"}, "cannot be combined"),
+    ({"method": "mars", "speculator_options": {"blocksize": 2}}, "blocksize"),
+    (speculative_config(block_size=9), "block"),
+])
+def test_what_breaks_exactness_is_refused_at_configuration(plugin, checkpoint, spec, message):
+    with pytest.raises(Exception, match=message):
+        _speculative(checkpoint, spec)
+
+
+@pytest.fixture(scope="module")
+def speculator(plugin, checkpoint):
+    """MarsSpeculator as vLLM's GPU runner builds it (init_speculator), on the CPU, with its target loaded."""
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu.spec_decode import init_speculator
+
+    if not current_platform.is_cpu():
+        pytest.skip("builds the engine config on the CPU platform (VLLM_TARGET_DEVICE=cpu)")
+    # The CPU platform's config check refuses a vLLM without triton-cpu, which only the CPU build has; the check
+    # is about running the engine, which these tests do not (a test shim, scoped to building this config).
+    check = type(current_platform).check_and_update_config
+    type(current_platform).check_and_update_config = classmethod(lambda cls, config: None)
+    try:
+        config = _engine_args(checkpoint, speculative_config()).create_engine_config()
+    finally:
+        type(current_platform).check_and_update_config = check
+    built = init_speculator(config, torch.device("cpu"), None)
+    built.load_model(_Target(config.model_config.get_vocab_size()))
+    return built
+
+
+class _Target(__import__("torch").nn.Module):
+    """The target model as far as MarsSpeculator uses it: compute_logits on hidden states (here the hidden
+    states are the logits, so a test writes the tokens the masks predict)."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab = vocab
+
+    def compute_logits(self, hidden_states):
+        return hidden_states[..., :self.vocab].clone()
+
+
+def test_vllms_init_speculator_builds_mars_on_its_draft_model_base(speculator):
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+
+    from hf_mars.vllm.speculator_gpu import MarsSpeculator
+
+    assert type(speculator) is MarsSpeculator and isinstance(speculator, DraftModelSpeculator)
+    assert (speculator.width, speculator.block) == (2 * BLOCK, BLOCK)
+    assert speculator.model is None and speculator.draft_attn_layer_names == set()  # vLLM sees no draft model
+    # every attribute the V2 runner reads on its speculator, from the runner's own source
+    read = set(re.findall(r"self\.speculator\.([A-Za-z_]\w*)", inspect.getsource(GPUModelRunner)))
+    assert read, "the V2 runner no longer reads self.speculator.<attribute>: update this test"
+    written = {"pcp_manager"}  # the runner assigns it
+    missing = sorted(name for name in read - written if not hasattr(speculator, name))
+    assert not missing, f"the V2 runner reads {missing} on a speculator, which MarsSpeculator lacks"
+
+
+def _step_batch(speculator, queries):
+    """vLLM's InputBatch for one decode step, laid out as the V2 runner lays it out: request i's query ends with
+    its last token then its speculative tokens, which are its logits rows (``queries``: [(context, spec)])."""
+    import numpy as np
+    import torch
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+
+    ids, logits_indices, cu, counts = [], [], [0], []
+    for context, spec in queries:
+        ids += context
+        logits_indices += range(len(ids) - 1, len(ids) + len(spec))  # the last token, then the spec tokens
+        ids += spec
+        cu.append(cu[-1] + 1 + len(spec))
+        counts.append(len(spec))
+    dummy = InputBatch.make_dummy(len(queries), len(ids), speculator.input_buffers, is_padding=False)
+    return dataclasses.replace(
+        dummy, input_ids=torch.tensor(ids), logits_indices=torch.tensor(logits_indices),
+        cu_num_logits=torch.tensor(cu, dtype=torch.int32), cu_num_logits_np=np.array(cu, dtype=np.int32),
+        num_draft_tokens=sum(counts), num_draft_tokens_per_req=np.array(counts, dtype=np.int32))
+
+
+def test_propose_on_vllms_input_batch(speculator):
+    """Three requests of one step: every draft accepted (new drafts from the masks), masks only (the first B
+    draft), a draft rejected (the masks saw a wrong context: masks only next)."""
+    import torch
+
+    M, width = speculator.mask_id, speculator.width
+    queries = [([10, 11, 12], [20, 21, 22, 23] + [M] * 4), ([30, 31], [M] * 8), ([40], [50, 51, 52, 53] + [M] * 4)]
+    batch = _step_batch(speculator, queries)
+    hidden = torch.zeros(len(batch.input_ids), speculator.vocab_size)
+    predicted = {0: [60, 61, 62, 63], 1: [70, 71, 72, 73]}  # what the first B masks of requests 0 and 1 predict
+    for i, tokens in predicted.items():
+        first_mask = int(batch.cu_num_logits_np[i]) + 1 + (4 if i == 0 else 0)
+        for j, token in enumerate(tokens):
+            hidden[batch.logits_indices[first_mask + j], token] = 1.0
+    hidden[:, M] = 2.0  # the mask token is never a draft (forbid_mask put -inf on it)
+    num_sampled = torch.tensor([5, 1, 2])  # 4 drafts + the target's token; the target's token; 1 draft + its own
+    num_rejected = torch.tensor([0, 0, 3])
+    speculator.prepare_propose(batch, num_sampled, num_rejected, sampler=None)  # vLLM's base: between the steps
+    out = speculator.propose(batch, None, None, hidden, None, num_sampled, num_rejected, None, None, None, None,
+                             num_speculative_tokens=width)
+    assert out.tolist() == [[60, 61, 62, 63] + [M] * 4, [70, 71, 72, 73] + [M] * 4, [M] * 8]
+    narrower = speculator.propose(batch, None, None, hidden, None, num_sampled, num_rejected, None, None, None,
+                                  None, num_speculative_tokens=4)  # batch_ladder's B = 2 for the next step
+    assert narrower[:, :4].tolist() == [[60, 61, M, M], [70, 71, M, M], [M] * 4]
+
+
+_UNKNOWN_RELEASE = "import vllm\nvllm.__version__ = '0.99.0'\n"
+_CONFIGURE_MARS = """import sys
+from vllm.config import ParallelConfig
+from vllm.engine.arg_utils import EngineArgs
+args = EngineArgs(model=sys.argv[1], dtype="float32", max_model_len=256, speculative_config={"method": "mars"})
+try:
+    args.create_speculative_config(args.create_model_config(), ParallelConfig())
+    print("ACCEPTED")
+except ValueError as exc:
+    print("REFUSED " + str(exc))
+"""
+
+
+def _run(tmp_path, sitecustomize, *args):
+    (tmp_path / "sitecustomize.py").write_text(sitecustomize)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+               VLLM_TARGET_DEVICE="cpu")
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("sitecustomize", ["", _UNKNOWN_RELEASE], ids=["this-release", "unknown-release"])
+def test_vllms_cli_starts_with_the_plugin_and_mars_is_refused_only_where_it_does_not_fit(tmp_path, checkpoint,
+                                                                                       sitecustomize):
+    cli = _run(tmp_path, sitecustomize, "-c", "from vllm.entrypoints.cli.main import main; main()", "--version")
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert cli.stdout.strip().splitlines()[-1] in ("0.99.0", _installed()), cli.stdout
+    script = tmp_path / "configure.py"
+    script.write_text(_CONFIGURE_MARS)
+    run = _run(tmp_path, sitecustomize, str(script), str(checkpoint))
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-3000:]
+    if sitecustomize:
+        assert cli.stderr.count("does not support vLLM 0.99.0") == 1, cli.stderr[-3000:]
+        refused = [line for line in run.stdout.splitlines() if line.startswith("REFUSED ")]
+        assert refused and "outside the supported range" in refused[0], out[-3000:]
+    else:
+        assert "does not support" not in cli.stderr, cli.stderr[-3000:]
+        assert "ACCEPTED" in run.stdout.splitlines(), out[-3000:]
+
+
+def _installed() -> str:
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def test_a_request_threshold_below_1_is_refused_at_admission(plugin):
+    """0.34's MARS is lossless only: a request's mars_threshold < 1 is a 400 at admission (vLLM's
+    VLLMValidationError), never served losslessly in silence; an engine without "mars" refuses any
+    mars_threshold. The wrapper is the one the plugin put on vLLM's InputProcessor, around a stand-in for vLLM's
+    own checks (they read the whole engine's config)."""
+    from types import SimpleNamespace
+
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    assert getattr(InputProcessor._validate_params, "__wrapped__", None) is not None, "the plugin did not wrap it"
+    admission = _patches._mars_admission(lambda self, params, supported_tasks: None, threshold_mode=False)
+
+    def admit(engine_speculative_config, threshold):
+        engine = SimpleNamespace(speculative_config=engine_speculative_config)
+        return admission(engine, SamplingParams(temperature=0.0, extra_args={"mars_threshold": threshold}),
+                         ("generate",))
+
+    mars = SimpleNamespace(custom_method="mars", method=None)  # what vLLM 0.34 makes of {"method": "mars"}
+    assert admit(mars, 1.0) is None
+    with pytest.raises(VLLMValidationError, match="mars_threshold"):
+        admit(mars, 0.9)
+    with pytest.raises(VLLMValidationError, match="does not run the speculative method 'mars'"):
+        admit(None, 1.0)
