@@ -109,3 +109,17 @@ def tiny_qwen2(tokenizer, seed: int = 0, attn_implementation: str = "sdpa", **co
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     return model.eval()
+
+
+def save_tiny_vllm_checkpoint(path, block_size: int = 4):
+    """A tiny random Qwen2 MARS checkpoint saved at ``path`` (config.mars with the mask id and block size), shaped
+    for vLLM: head_dim 32, which vLLM's CPU attention supports (it has no 16). Returns ``path``."""
+    from .training.tokens import add_mask_token
+
+    tok = build_char_tokenizer()
+    model = tiny_qwen2(tok, seed=0, max_position=256, num_heads=2, num_kv_heads=1)
+    add_mask_token(model, tok)
+    model.config.mars = {**model.config.mars, "block_size": block_size, "mask_token": "<|mask|>"}
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

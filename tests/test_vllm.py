@@ -150,17 +150,9 @@ def test_hf_mars_vllm_imports_without_vllm():
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A tiny random Qwen2 MARS checkpoint (config.mars with the mask id and block size) on disk."""
-    from hf_mars import add_mask_token
-    from hf_mars.testing_utils import build_char_tokenizer, tiny_qwen2
+    from hf_mars.testing_utils import save_tiny_vllm_checkpoint
 
-    tok = build_char_tokenizer()
-    model = tiny_qwen2(tok, seed=0, max_position=256, num_heads=2, num_kv_heads=1)  # head_dim 32: vLLM CPU attention has no 16
-    add_mask_token(model, tok)
-    model.config.mars = {**model.config.mars, "block_size": BLOCK, "mask_token": "<|mask|>"}
-    path = tmp_path_factory.mktemp("mars-ckpt")
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_tiny_vllm_checkpoint(tmp_path_factory.mktemp("mars-ckpt"), BLOCK)
 
 
 def _llm(path, spec):
