@@ -2,11 +2,18 @@
 
     OMP_NUM_THREADS=2 python benchmarks/bench_train_step.py                 # sdpa and eager
     python benchmarks/bench_train_step.py --attn sdpa --seq-len 512 --hidden-size 512 --layers 8
+    python benchmarks/bench_train_step.py --model ~/.cache/hf-mars/gemma3-270m --attn sdpa --seq-len 200 \
+        --freeze-embeddings --head-at-every-position --repeats 3 --warmup 1    # a real checkpoint folder
 
 A step = forward + backward + AdamW update, on a batch collated by MARSTrainer's data collator (the SFT step
 gets the very same tensors). The MARS step runs the model on [z ; x] (twice the length) with the 2n x 2n mask,
 so ~2x is the floor; the target is <= 2.3x. flex_attention has no backward on CPU (torch 2.13): there it is
 timed forward-only (and compiled on first use, which is excluded), marked as such.
+
+``--model``: a checkpoint folder (fp32) instead of the random tiny model, e.g. Gemma 3 270M as `hf-mars demo
+--base gemma3-270m` converts it. ``--head-at-every-position`` also times the MARS step with TRL's fused LM head
+over every position of both streams, as TRL does on a CPU by itself (MARSTrainer has it score only the positions
+with a target: ``hf_mars._compat.fused_head_on_targets_only``).
 """
 
 from __future__ import annotations
@@ -36,6 +43,11 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--model", default=None, help="a checkpoint folder to time instead of the random tiny model")
+    p.add_argument("--freeze-embeddings", action="store_true", help="no gradient for the input embeddings "
+                   "(hf-mars demo's real-model default: a tied 262k-row table dominates AdamW there)")
+    p.add_argument("--head-at-every-position", action="store_true",
+                   help="also time MARS with the LM head over every position (TRL's own choice on a CPU)")
     p.add_argument("--device", default="cuda" if __import__("torch").cuda.is_available() else "cpu")
     return p.parse_args(argv)
 
@@ -67,21 +79,40 @@ def time_step(fn, repeats, warmup, sync):
     return statistics.median(times)
 
 
+def models(args, attn):
+    """(tokenizer, MARS model with the mask token, SFT model of the same shape): ``--model``'s or tiny random."""
+    from hf_mars import add_mask_token
+    from hf_mars.testing_utils import build_char_tokenizer, tiny_qwen2
+
+    if args.model:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.model)
+        mars_model, sft_model = (AutoModelForCausalLM.from_pretrained(args.model, dtype="float32",
+                                                                      attn_implementation=attn) for _ in range(2))
+    else:
+        tok = build_char_tokenizer()
+        cfg = dict(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
+                   num_kv_heads=args.kv_heads, max_position=4 * args.seq_len + 64)
+        mars_model, sft_model = (tiny_qwen2(tok, seed=0, attn_implementation=attn, **cfg) for _ in range(2))
+    add_mask_token(mars_model, tok)
+    sft_model.resize_token_embeddings(mars_model.get_input_embeddings().weight.shape[0])
+    for model in (mars_model, sft_model) if args.freeze_embeddings else ():
+        model.get_input_embeddings().weight.requires_grad_(False)
+    return tok, mars_model, sft_model
+
+
 def bench(args, attn):
+    import contextlib
+
     import torch
     from trl import SFTConfig, SFTTrainer
 
-    from hf_mars import MARSConfig, MARSTrainer, add_mask_token
-    from hf_mars.testing_utils import build_char_tokenizer, tiny_qwen2
+    import hf_mars.training.trainer as trainer_module
+    from hf_mars import MARSConfig, MARSTrainer
 
     device = torch.device(args.device)
-    tok = build_char_tokenizer()
-    cfg = dict(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
-               num_kv_heads=args.kv_heads, max_position=4 * args.seq_len + 64)
-    mars_model = tiny_qwen2(tok, seed=0, attn_implementation=attn, **cfg)
-    add_mask_token(mars_model, tok)
-    sft_model = tiny_qwen2(tok, seed=0, attn_implementation=attn, **cfg)
-    sft_model.resize_token_embeddings(mars_model.get_input_embeddings().weight.shape[0])
+    tok, mars_model, sft_model = models(args, attn)
     data = make_dataset(args.batch_size, args.seq_len)
     out = tempfile.mkdtemp()
     common = dict(output_dir=out, report_to=[], per_device_train_batch_size=args.batch_size, max_length=None,
@@ -115,10 +146,16 @@ def bench(args, attn):
     sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
     results = {}
     backward = not on_cpu_flex
-    for name, trainer in (("mars", mars), ("sft", sft)):
+    runs = [("mars", mars), ("sft", sft)] + ([("mars_every_position", mars)] if args.head_at_every_position else [])
+    for name, trainer in runs:
         model = trainer.model.to(device).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        results[name] = time_step(step_fn(trainer, model, opt, backward), args.repeats, args.warmup, sync)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+        head = contextlib.nullcontext if name == "mars_every_position" else trainer_module.fused_head_on_targets_only
+        original, trainer_module.fused_head_on_targets_only = trainer_module.fused_head_on_targets_only, head
+        try:
+            results[name] = time_step(step_fn(trainer, model, opt, backward), args.repeats, args.warmup, sync)
+        finally:
+            trainer_module.fused_head_on_targets_only = original
     return results, ntok, batch["input_ids"].shape, backward
 
 
@@ -141,6 +178,10 @@ def main(argv=None):
         kind = "fwd+bwd+adam" if backward else "forward only"
         print(f"{attn:<15} {kind:<13} {res['sft']:8.4f} {res['mars']:8.4f} {res['mars'] / res['sft']:6.2f}x"
               f"   (batch {tuple(shape)}, {ntok} real tokens)")
+        if "mars_every_position" in res:
+            every = res["mars_every_position"]
+            print(f"{'':<15} {'head at every position':<28} {every:8.4f} {every / res['sft']:6.2f}x "
+                  f"(the MARS step {every / res['mars']:.2f}x slower)")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,22 @@ def test_trl_fused_forward_fields(tmp_path):
         assert getattr(out, field).shape == ids.shape, field
 
 
+def test_trl_fused_head_compaction_switch():
+    """TRL's fused forward still decides with ``trl.trainer.utils._use_triton`` whether it scores only the
+    positions with a target; the switch asks for that on a CPU, keeps TRL's choice elsewhere, and is undone."""
+    import inspect
+
+    import trl.trainer.utils as trl_utils
+
+    assert "compact = _use_triton(hidden_states.device)" in inspect.getsource(trl_utils.add_fused_lm_head), \
+        "TRL's fused LM head no longer chooses compaction with _use_triton: update _compat.fused_head_on_targets_only"
+    original = trl_utils._use_triton
+    with _compat.fused_head_on_targets_only():
+        assert trl_utils._use_triton(torch.device("cpu")) is True
+        assert trl_utils._use_triton(torch.device("meta")) == original(torch.device("meta"))
+    assert trl_utils._use_triton is original
+
+
 def test_transformers_private_hooks():
     from transformers import GenerationConfig, MixtralConfig, MixtralForCausalLM
 

@@ -95,6 +95,46 @@ def reference_loss(model, batch, block_size, mask_id, ar_weight, normalization):
     return sum(nz + ar_weight * cl for nz, cl, _ in per_seq) / sum(c for *_, c in per_seq)
 
 
+def test_the_lm_head_scores_only_positions_with_a_target(tmp_path, monkeypatch):
+    """On a CPU, TRL's fused LM head would score every position of both streams; MARSTrainer has it score only the
+    positions with a target (``_compat.fused_head_on_targets_only``): the same loss and gradients, fewer rows."""
+    import contextlib
+
+    import trl.trainer.utils as trl_utils
+
+    import hf_mars.training.trainer as trainer_module
+
+    trainer = make_trainer(tmp_path, block_size=4)
+    batch = dict(next(iter(trainer.get_train_dataloader())))
+    kernel, rows = trl_utils._ChunkedLogProbFunction, []
+
+    class Recording(kernel):
+        @staticmethod
+        def forward(ctx, hidden, *args):
+            rows.append(hidden.shape[0])
+            return kernel.forward(ctx, hidden, *args)
+
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Recording)
+
+    def loss_and_grads():
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, dict(batch))
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+
+    compact_loss, compact_grads = loss_and_grads()
+    monkeypatch.setattr(trainer_module, "fused_head_on_targets_only", contextlib.nullcontext)
+    full_loss, full_grads = loss_and_grads()
+    b, n = batch["input_ids"].shape
+    position_ids, _, _, labels = trainer._batch_layout(batch)
+    targets = int((trainer_module.shift_labels_for_positions(labels, position_ids) != -100).sum())
+    assert rows == [2 * targets, 2 * b * n] and 2 * targets < 2 * b * n
+    assert math.isclose(compact_loss, full_loss, rel_tol=1e-6), (compact_loss, full_loss)
+    assert len(compact_grads) == len(full_grads)
+    for compact, full in zip(compact_grads, full_grads):
+        torch.testing.assert_close(compact, full, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "block_size,ar_weight,normalization",
     [(1, 1.0, "sequence"), (3, 0.0, "sequence"), (4, 1.0, "sequence"), (4, 0.5, "token"), (2, 2.0, "token"),

@@ -19,6 +19,7 @@ from trl import SFTTrainer
 
 from .._compat import (
     attn_implementation,
+    fused_head_on_targets_only,
     trl_count_train_tokens,
     trl_lm_collator,
     trl_load_model,
@@ -304,16 +305,17 @@ class MARSTrainer(SFTTrainer):
         moe_aux = getattr(self, "aux_loss_enabled", False)  # SFTTrainer: MoE config with a router aux coefficient
         router = RouterLogits(unwrapped) if moe_aux else None
         try:
-            outputs = model(
-                input_ids=torch.cat([noisy_ids, input_ids], dim=1),
-                attention_mask=mask,
-                position_ids=torch.cat([position_ids, position_ids], dim=1),
-                shift_labels=torch.cat([targets, targets], dim=1),
-                fused_lm_head=True,
-                use_cache=False,
-                # the model's own aux loss reads a 2D padding mask; MARS adds it below, on the clean stream
-                **({"output_router_logits": False} if moe_aux else {}),
-            )
+            with fused_head_on_targets_only():  # (the prompt's positions have no target)
+                outputs = model(
+                    input_ids=torch.cat([noisy_ids, input_ids], dim=1),
+                    attention_mask=mask,
+                    position_ids=torch.cat([position_ids, position_ids], dim=1),
+                    shift_labels=torch.cat([targets, targets], dim=1),
+                    fused_lm_head=True,
+                    use_cache=False,
+                    # the model's own aux loss reads a 2D padding mask; MARS adds it below, on the clean stream
+                    **({"output_router_logits": False} if moe_aux else {}),
+                )
         finally:
             if router is not None:
                 router.close()
