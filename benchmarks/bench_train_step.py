@@ -104,6 +104,7 @@ def models(args, attn):
 
 def bench(args, attn):
     import contextlib
+    from unittest import mock
 
     import torch
     from trl import SFTConfig, SFTTrainer
@@ -150,12 +151,11 @@ def bench(args, attn):
     for name, trainer in runs:
         model = trainer.model.to(device).train()
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-        head = contextlib.nullcontext if name == "mars_every_position" else trainer_module.fused_head_on_targets_only
-        original, trainer_module.fused_head_on_targets_only = trainer_module.fused_head_on_targets_only, head
-        try:
+        # the every-position run: MARSTrainer's forward without the switch to TRL's compact head
+        head = mock.patch.object(trainer_module, "fused_head_on_targets_only", contextlib.nullcontext) \
+            if name == "mars_every_position" else contextlib.nullcontext()
+        with head:
             results[name] = time_step(step_fn(trainer, model, opt, backward), args.repeats, args.warmup, sync)
-        finally:
-            trainer_module.fused_head_on_targets_only = original
     return results, ntok, batch["input_ids"].shape, backward
 
 

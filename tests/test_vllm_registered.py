@@ -24,6 +24,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from hf_mars.vllm import _patches, speculative_config
 
@@ -99,7 +100,6 @@ def test_what_breaks_exactness_is_refused_at_configuration(plugin, checkpoint, s
 @pytest.fixture(scope="module")
 def speculator(plugin, checkpoint):
     """MarsSpeculator as vLLM's GPU runner builds it (init_speculator), on the CPU, with its target loaded."""
-    import torch
     from vllm.platforms import current_platform
     from vllm.v1.worker.gpu.spec_decode import init_speculator
 
@@ -107,18 +107,15 @@ def speculator(plugin, checkpoint):
         pytest.skip("builds the engine config on the CPU platform (VLLM_TARGET_DEVICE=cpu)")
     # The CPU platform's config check refuses a vLLM without triton-cpu, which only the CPU build has; the check
     # is about running the engine, which these tests do not (a test shim, scoped to building this config).
-    check = type(current_platform).check_and_update_config
-    type(current_platform).check_and_update_config = classmethod(lambda cls, config: None)
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(current_platform), "check_and_update_config", classmethod(lambda cls, config: None))
         config = _engine_args(checkpoint, speculative_config()).create_engine_config()
-    finally:
-        type(current_platform).check_and_update_config = check
     built = init_speculator(config, torch.device("cpu"), None)
     built.load_model(_Target(config.model_config.get_vocab_size()))
     return built
 
 
-class _Target(__import__("torch").nn.Module):
+class _Target(torch.nn.Module):
     """The target model as far as MarsSpeculator uses it: compute_logits on hidden states (here the hidden
     states are the logits, so a test writes the tokens the masks predict)."""
 
@@ -151,7 +148,6 @@ def _step_batch(speculator, queries):
     """vLLM's InputBatch for one decode step, laid out as the V2 runner lays it out: request i's query ends with
     its last token then its speculative tokens, which are its logits rows (``queries``: [(context, spec)])."""
     import numpy as np
-    import torch
     from vllm.v1.worker.gpu.input_batch import InputBatch
 
     ids, logits_indices, cu, counts = [], [], [0], []
@@ -171,8 +167,6 @@ def _step_batch(speculator, queries):
 def test_propose_on_vllms_input_batch(speculator):
     """Three requests of one step: every draft accepted (new drafts from the masks), masks only (the first B
     draft), a draft rejected (the masks saw a wrong context: masks only next)."""
-    import torch
-
     M, width = speculator.mask_id, speculator.width
     queries = [([10, 11, 12], [20, 21, 22, 23] + [M] * 4), ([30, 31], [M] * 8), ([40], [50, 51, 52, 53] + [M] * 4)]
     batch = _step_batch(speculator, queries)
