@@ -74,10 +74,6 @@ def test_a_requests_threshold_is_checked_at_admission():
             options.request_threshold(bad, 0.0)
     with pytest.raises(ValueError, match="needs temperature 0"):
         options.request_threshold({"mars_threshold": 0.9}, 0.7)
-    # vLLM >= 0.34's path has no threshold mode yet: tau < 1 is refused there, not served losslessly in silence
-    assert options.request_threshold({"mars_threshold": 1.0}, 0.0, threshold_mode=False) == 1.0
-    with pytest.raises(ValueError, match="0.32-0.33's path only"):
-        options.request_threshold({"mars_threshold": 0.9}, 0.0, threshold_mode=False)
     ns = types.SimpleNamespace
     assert options.runs_mars(ns(method="custom_class", model=options.PROPOSER))
     assert options.runs_mars(ns(method="custom", custom_method="mars"))
@@ -94,9 +90,11 @@ def test_trusted_drafts_pass_only_where_sure_and_allowed():
     assert trusted([0.99, 0.5, 1.0], 1.0) == [False] * 3  # tau = 1 trusts nothing, even a certain mask
     assert trusted([0.99, 0.5, 1.0], 0.9) == [True, False, True]
     logits = torch.tensor([[3.0, 1.0, 0.0], [0.0, 5.0, float("-inf")], [2.0, 0.0, 1.0]])
-    out = pass_trusted(logits.clone(), torch.tensor([1, 2, 2]), [0, 1])
+    out = pass_trusted(logits.clone(), torch.tensor([1, 2, 2]), torch.tensor([True, True, False]))
     assert out.argmax(-1).tolist() == [1, 1, 0]  # row 0 passes its draft; row 1's is forbidden; row 2 not trusted
     assert out[0, 1] == 4.0 and torch.equal(out[1:], logits[1:])
+    nothing = pass_trusted(logits.clone(), torch.tensor([-1, 2, 0]), torch.tensor([True, False, False]))
+    assert torch.equal(nothing, logits)  # -1: vLLM 0.34's placeholder draft (no token), never passed
 
 
 def test_translation_to_vllm_and_refusals():

@@ -98,10 +98,9 @@ def test_what_breaks_exactness_is_refused_at_configuration(plugin, checkpoint, s
 
 
 @pytest.fixture(scope="module")
-def speculator(plugin, checkpoint):
-    """MarsSpeculator as vLLM's GPU runner builds it (init_speculator), on the CPU, with its target loaded."""
+def engine_config(plugin, checkpoint):
+    """vLLM's VllmConfig for a MARS engine, built on the CPU platform as vLLM builds it."""
     from vllm.platforms import current_platform
-    from vllm.v1.worker.gpu.spec_decode import init_speculator
 
     if not current_platform.is_cpu():
         pytest.skip("builds the engine config on the CPU platform (VLLM_TARGET_DEVICE=cpu)")
@@ -109,10 +108,35 @@ def speculator(plugin, checkpoint):
     # is about running the engine, which these tests do not (a test shim, scoped to building this config).
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(type(current_platform), "check_and_update_config", classmethod(lambda cls, config: None))
-        config = _engine_args(checkpoint, speculative_config()).create_engine_config()
-    built = init_speculator(config, torch.device("cpu"), None)
-    built.load_model(_Target(config.model_config.get_vocab_size()))
+        return _engine_args(checkpoint, speculative_config()).create_engine_config()
+
+
+@pytest.fixture(scope="module")
+def speculator(engine_config):
+    """MarsSpeculator as vLLM's GPU runner builds it (init_speculator), on the CPU, with its target loaded."""
+    from vllm.v1.worker.gpu.spec_decode import init_speculator
+
+    built = init_speculator(engine_config, torch.device("cpu"), None)
+    built.load_model(_Target(engine_config.model_config.get_vocab_size()))
     return built
+
+
+@pytest.fixture(scope="module")
+def trusted_drafts(engine_config):
+    """MarsTrustedDrafts as the V2 runner builds its custom logits processors (vLLM's own loader, from the
+    model config's logits_processors), on request state shaped like the runner's."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu.sample.logits_processor import build_custom_logits_processors
+
+    states = SimpleNamespace(device=torch.device("cpu"), max_num_reqs=engine_config.scheduler_config.max_num_seqs,
+                             vocab_size=engine_config.model_config.get_vocab_size(), all_token_ids=None,
+                             prompt_len=None, prefill_len=None, total_len=None)
+    built = build_custom_logits_processors(engine_config, states, False,
+                                           engine_config.model_config.logits_processors)
+    mine = [processor for processor in built if type(processor).__name__ == "MarsTrustedDrafts"]
+    assert len(mine) == 1, f"vLLM built {built} from {engine_config.model_config.logits_processors}"
+    return mine[0]
 
 
 class _Target(torch.nn.Module):
@@ -234,11 +258,10 @@ def _installed() -> str:
     return str(vllm.__version__)
 
 
-def test_a_request_threshold_below_1_is_refused_at_admission(plugin):
-    """0.34's MARS is lossless only: a request's mars_threshold < 1 is a 400 at admission (vLLM's
-    VLLMValidationError), never served losslessly in silence; an engine without "mars" refuses any
-    mars_threshold. The wrapper is the one the plugin put on vLLM's InputProcessor, around a stand-in for vLLM's
-    own checks (they read the whole engine's config)."""
+def test_a_bad_request_threshold_is_refused_at_admission(plugin):
+    """A mars_threshold outside [0, 1], or below 1 on a sampling request, is a 400 at admission (vLLM's
+    VLLMValidationError); an engine without "mars" refuses any mars_threshold. The wrapper is the one the plugin
+    put on vLLM's InputProcessor, around a stand-in for vLLM's own checks (they read the whole engine's config)."""
     from types import SimpleNamespace
 
     from vllm.exceptions import VLLMValidationError
@@ -246,16 +269,133 @@ def test_a_request_threshold_below_1_is_refused_at_admission(plugin):
     from vllm.v1.engine.input_processor import InputProcessor
 
     assert getattr(InputProcessor._validate_params, "__wrapped__", None) is not None, "the plugin did not wrap it"
-    admission = _patches._mars_admission(lambda self, params, supported_tasks: None, threshold_mode=False)
+    admission = _patches._mars_admission(lambda self, params, supported_tasks: None)
 
-    def admit(engine_speculative_config, threshold):
+    def admit(engine_speculative_config, threshold, temperature=0.0):
         engine = SimpleNamespace(speculative_config=engine_speculative_config)
-        return admission(engine, SamplingParams(temperature=0.0, extra_args={"mars_threshold": threshold}),
-                         ("generate",))
+        params = SamplingParams(temperature=temperature, extra_args={"mars_threshold": threshold})
+        return admission(engine, params, ("generate",))
 
     mars = SimpleNamespace(custom_method="mars", method=None)  # what vLLM 0.34 makes of {"method": "mars"}
-    assert admit(mars, 1.0) is None
-    with pytest.raises(VLLMValidationError, match="mars_threshold"):
-        admit(mars, 0.9)
+    assert admit(mars, 1.0) is None and admit(mars, 0.9) is None and admit(mars, 0.0) is None
+    for threshold, temperature in ((1.5, 0.0), (-0.1, 0.0), ("high", 0.0), (0.9, 0.8)):
+        with pytest.raises(VLLMValidationError, match="mars_threshold"):
+            admit(mars, threshold, temperature)
     with pytest.raises(VLLMValidationError, match="does not run the speculative method 'mars'"):
         admit(None, 1.0)
+
+
+def test_the_trusted_drafts_processor_reaches_vllms_engine_config_and_its_validator(engine_config):
+    """MarsSpeculatorConfig puts the processor into the target's logits_processors, where the V2 runner builds it
+    and vLLM's InputProcessor builds its admission validator (vLLM's own function here), which runs our
+    validate_params: a 400 for a bad value, however the request reached vLLM."""
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.worker.gpu.sample.logits_processor.loader import build_custom_logits_processors_params_validator
+
+    from hf_mars.vllm.trusted_drafts import PROCESSOR
+
+    assert list(engine_config.model_config.logits_processors).count(PROCESSOR) == 1
+    validate = build_custom_logits_processors_params_validator(engine_config.model_config.logits_processors)
+    validate(SamplingParams(temperature=0.0, extra_args={"mars_threshold": 0.7}))
+    validate(SamplingParams(temperature=0.8))
+    for extra, temperature in (({"mars_threshold": 2.0}, 0.0), ({"mars_threshold": 0.7}, 0.8),
+                               ({"mars_treshold": 0.7}, 0.0)):
+        with pytest.raises((VLLMValidationError, ValueError), match="mars_t"):
+            validate(SamplingParams(temperature=temperature, extra_args=extra))
+
+
+def _logits_context(rows):
+    """vLLM's LogitsContext for one verification step, as its sampler builds it: ``rows`` is [(slot, [the last
+    token, spec tokens...])], one logits row per token, each row's input_ids its input token."""
+    import numpy as np
+    from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext
+
+    slots = [slot for slot, tokens in rows for _ in tokens]
+    local = [j for _, tokens in rows for j in range(len(tokens))]
+    return LogitsContext(
+        expanded_idx_mapping=torch.tensor(slots, dtype=torch.int32),
+        idx_mapping=torch.tensor([slot for slot, _ in rows], dtype=torch.int32),
+        idx_mapping_np=np.array([slot for slot, _ in rows], dtype=np.int32),
+        expanded_local_pos=torch.tensor(local, dtype=torch.int32),
+        input_ids=torch.tensor([t for _, tokens in rows for t in tokens]),
+        pos=torch.tensor(local), seq_lens_upper_bound_np=np.zeros(len(rows), dtype=np.int32))
+
+
+def _greedy_verify(logits, rows):
+    """What vLLM's greedy rejection sampler keeps of each request: its spec tokens while each equals the previous
+    row's argmax, then that row's argmax (the target's token)."""
+    argmax, kept, at = logits.argmax(-1).tolist(), [], 0
+    for _, tokens in rows:
+        out = []
+        for j, spec in enumerate(tokens[1:]):
+            out.append(argmax[at + j])
+            if argmax[at + j] != spec:
+                break
+        else:
+            out.append(argmax[at + len(tokens) - 1])
+        kept.append(out)
+        at += len(tokens)
+    return kept
+
+
+def test_trusted_drafts_pass_verification_only_where_their_mask_was_tau_sure(trusted_drafts):
+    """Four requests in one step, verified as vLLM's sampler verifies them, after MarsTrustedDrafts.apply:
+    tau 0.5 accepts its first draft (0.9 sure) though the target disagrees and stops at the second (0.4 sure);
+    tau 1 and no mars_threshold are plain greedy (the target's own tokens); tau 0 trusts every draft but never a
+    mask (its logit is -inf: forbid_mask) nor vLLM's -1 placeholder."""
+    from vllm.sampling_params import SamplingParams
+
+    state, vocab, M = trusted_drafts.state, 64, 63
+    rows = [(3, [5, 20, 21, M, M]), (1, [6, 30, 31, M, M]), (7, [7, 40, 41, M, M]), (2, [8, 50, -1, M, M])]
+    taus = {3: 0.5, 1: 1.0, 7: None, 2: 0.0}
+    for slot, tau in taus.items():
+        extra = {} if tau is None else {"mars_threshold": tau}
+        trusting = trusted_drafts.add_request(slot, SamplingParams(temperature=0.0, extra_args=extra))
+        assert trusting == (tau is not None and tau < 1)
+    trusted_drafts.apply_staged_writes()
+    for slot in taus:
+        state.confidence[slot] = 0.0
+        state.confidence[slot, :2] = torch.tensor([0.9, 0.4])
+    ctx = _logits_context(rows)
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(ctx.input_ids), vocab, generator=generator)
+    logits[:, M] = float("-inf")
+    logits[:, 10] = 10.0  # the target's own token is always 10: it agrees with no draft
+    plain = _greedy_verify(logits, rows)
+    assert plain == [[10]] * 4
+    processed = trusted_drafts.apply(logits.clone(), ctx)
+    assert _greedy_verify(processed, rows) == [[20, 10], [10], [10], [50, 10]]
+    unchanged = [r for r, slot in enumerate(ctx.expanded_idx_mapping.tolist()) if slot in (1, 7)]
+    assert torch.equal(processed[unchanged], logits[unchanged])  # other requests' logits are untouched
+    for slot in taus:  # leave the slots as a fresh engine has them
+        trusted_drafts.add_request(slot, SamplingParams(temperature=0.0))
+    trusted_drafts.apply_staged_writes()
+    assert torch.equal(trusted_drafts.apply(logits.clone(), ctx), logits)
+
+
+def test_propose_keeps_each_trusting_requests_draft_confidences(speculator, trusted_drafts):
+    """The speculator and the processor share one state (by the engine's VllmConfig); propose writes a trusting
+    slot's drafts' top probabilities (the masks' distributions, the mask token forbidden), 0 under its masks."""
+    from vllm.sampling_params import SamplingParams
+
+    assert speculator.trust is trusted_drafts.state
+    M = speculator.mask_id
+    batch = _step_batch(speculator, [([30, 31], [M] * 8)])
+    slot = int(batch.idx_mapping_np[0])
+    trusted_drafts.add_request(slot, SamplingParams(temperature=0.0, extra_args={"mars_threshold": 0.5}))
+    hidden = torch.zeros(len(batch.input_ids), speculator.vocab_size)
+    first_mask = int(batch.cu_num_logits_np[0]) + 1
+    for j, token in enumerate([70, 71, 72, 73]):
+        hidden[batch.logits_indices[first_mask + j], token] = 1.0 + j
+    num_sampled, num_rejected = torch.tensor([1]), torch.tensor([0])
+    speculator.prepare_propose(batch, num_sampled, num_rejected, sampler=None)
+    out = speculator.propose(batch, None, None, hidden, None, num_sampled, num_rejected, None, None, None, None,
+                             num_speculative_tokens=speculator.width)
+    assert out[0, :4].tolist() == [70, 71, 72, 73]
+    masks_logits = hidden[batch.logits_indices[first_mask:first_mask + 4]].clone()
+    masks_logits[:, M] = float("-inf")
+    expected = torch.softmax(masks_logits, -1).amax(-1)
+    torch.testing.assert_close(speculator.trust.confidence[slot, :4], expected)
+    assert speculator.trust.confidence[slot, 4:].eq(0).all()
+    trusted_drafts.add_request(slot, SamplingParams(temperature=0.0))

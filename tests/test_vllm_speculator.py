@@ -118,6 +118,10 @@ class _FakeDraftModelSpeculator:  # ...spec_decode.speculator.DraftModelSpeculat
         self.draft_logits = None
 
 
+class _FakeLogitsProcessor:  # ...gpu.sample.logits_processor.interface.LogitsProcessor, MarsTrustedDrafts' base
+    pass
+
+
 @dataclass
 class _FakeEngineArgs:
     speculative_config: dict | None = None
@@ -173,7 +177,8 @@ def fake_vllm(monkeypatch):
               "vllm.v1.worker.gpu.spec_decode.speculator_config": {
                   "SpeculatorConfig": _FakeSpeculatorConfig,
                   "register_speculative_method": register_speculative_method},
-              "vllm.v1.worker.gpu.spec_decode.speculator": {"DraftModelSpeculator": _FakeDraftModelSpeculator}}
+              "vllm.v1.worker.gpu.spec_decode.speculator": {"DraftModelSpeculator": _FakeDraftModelSpeculator},
+              "vllm.v1.worker.gpu.sample.logits_processor.interface": {"LogitsProcessor": _FakeLogitsProcessor}}
     for name in sorted({".".join(leaf.split(".")[:i + 1]) for leaf in leaves for i in range(leaf.count(".") + 1)}):
         module = ModuleType(name)
         module.__path__ = []  # a package: a submodule not given here is missing, as in a vLLM that moved it
@@ -183,11 +188,15 @@ def fake_vllm(monkeypatch):
         if parent:
             setattr(sys.modules[parent], child, module)
     package = sys.modules["hf_mars.vllm"]
-    for name in ("speculator", "speculator_gpu"):  # imported afresh against this tree, forgotten after
+    fresh = ("speculator", "speculator_gpu", "trusted_drafts")
+    for name in fresh:  # imported afresh against this tree, forgotten after
         monkeypatch.delitem(sys.modules, f"hf_mars.vllm.{name}", raising=False)
         monkeypatch.delattr(package, name, raising=False)
     monkeypatch.setattr(_patches, "_problems", None)
     yield state
+    for name in fresh:  # what was imported against the fake tree (monkeypatch then restores what was there)
+        sys.modules.pop(f"hf_mars.vllm.{name}", None)
+        package.__dict__.pop(name, None)
     for name in ("speculator", "speculator_gpu"):
         sys.modules.pop(f"hf_mars.vllm.{name}", None)
         package.__dict__.pop(name, None)
@@ -218,13 +227,15 @@ def test_install_registers_mars_where_vllm_has_the_registry(fake_vllm, monkeypat
     assert "hf_mars.vllm.speculator_gpu" not in sys.modules  # vLLM's rule: config modules run in every process
     assert _FakeEngineArgs(speculative_config={"method": "mars"}).create_speculative_config(None, None) == \
         "vLLM's own"  # no wrapper on this path: vLLM validates "mars" itself
-    # the one wrapper: no threshold mode here yet, so a request's tau < 1 is refused rather than served losslessly
+    # the one wrapper: a request's mars_threshold is checked at admission (trusted_drafts.py serves tau < 1)
     fake = fake_vllm.classes
     params = fake.CompletionRequest().to_sampling_params(8)  # the top-level field joins the request's extra_args
     assert params.extra_args == {"mars_threshold": 0.5}
-    with pytest.raises(fake.VLLMValidationError, match="0.32-0.33's path only"):
-        fake.InputProcessor()._validate_params(params, ())
+    fake.InputProcessor()._validate_params(params, ())
     fake.InputProcessor()._validate_params(fake.SamplingParams({"mars_threshold": 1.0}), ())
+    for bad in (fake.SamplingParams({"mars_threshold": 1.5}), fake.SamplingParams({"mars_threshold": 0.5}, 0.7)):
+        with pytest.raises(fake.VLLMValidationError, match="mars_threshold"):
+            fake.InputProcessor()._validate_params(bad, ())
     with pytest.raises(ValueError, match="tau_ladder"):
         config.configure(_spec(speculator_options={"tau_ladder": "0:1.0,4:0.9"}))
 
@@ -257,7 +268,8 @@ def test_install_steps_aside_without_raising(fake_vllm, monkeypatch, caplog, fai
 
 
 def _spec(**kw):
-    target = SimpleNamespace(hf_config=_config(), tokenizer="/nonexistent-tokenizer", trust_remote_code=False)
+    target = SimpleNamespace(hf_config=_config(), tokenizer="/nonexistent-tokenizer", trust_remote_code=False,
+                             logits_processors=None)
     parallel = SimpleNamespace(enable_batch_sharded_sampling=False)
     base = dict(target_model_config=target, target_parallel_config=parallel, speculator_options=None,
                 num_speculative_tokens=None, num_speculative_tokens_per_batch_size=None, model=None,
@@ -271,6 +283,10 @@ def test_speculator_config_sets_2b_and_refuses_what_breaks_exactness(fake_vllm):
     spec = _spec()
     MarsSpeculatorConfig.configure(spec)
     assert spec.num_speculative_tokens == 2 * B and spec.draft_model_config is spec.target_model_config
+    # threshold mode's logits processor joins the target's (vLLM builds it in each worker and validates with it)
+    assert spec.target_model_config.logits_processors == ["hf_mars.vllm.trusted_drafts:MarsTrustedDrafts"]
+    MarsSpeculatorConfig.configure(_spec(target_model_config=spec.target_model_config))
+    assert len(spec.target_model_config.logits_processors) == 1  # once
     spec = _spec(speculator_options={"block_size": 2, "batch_ladder": "1:2,16:0"})
     MarsSpeculatorConfig.configure(spec)
     assert spec.num_speculative_tokens == 4
@@ -306,7 +322,8 @@ def _step(rows):
     hidden = torch.nn.functional.one_hot(torch.arange(len(input_ids)) + 100, vocab).float()
     batch = SimpleNamespace(num_reqs=len(rows), input_ids=torch.tensor(input_ids, dtype=torch.int32),
                             logits_indices=torch.tensor(logits_indices), cu_num_logits_np=np.array(cu),
-                            num_draft_tokens_per_req=np.array(counts, dtype=np.int32))
+                            num_draft_tokens_per_req=np.array(counts, dtype=np.int32),
+                            idx_mapping_np=np.arange(len(rows), dtype=np.int32))
     return batch, hidden, torch.tensor(sampled, dtype=torch.int32), vocab
 
 

@@ -56,19 +56,22 @@ def trusted(confidences: Sequence[float], tau: float | None) -> list[bool]:
     return [c >= tau for c in confidences]
 
 
-def pass_trusted(target_logits, draft_token_ids, positions: Sequence[int]):
-    """Make the target's greedy choice the draft at each of ``positions`` (rows of ``target_logits``, indices into
-    the flat ``draft_token_ids``): its logit becomes the row's largest + 1, so vLLM's rejection sampler accepts
-    it. A draft the request's constraints forbid (a grammar, bad words, allowed tokens: a -inf logit) is left to
-    verification."""
+def pass_trusted(target_logits, draft_token_ids, trust):
+    """Make the target's greedy choice the draft of each trusted row: row ``r`` of ``target_logits`` verifies
+    ``draft_token_ids[r]``; where ``trust[r]`` (a bool tensor), that draft's logit becomes the row's largest + 1,
+    so vLLM's rejection sampler accepts it. A draft the request's constraints forbid (a grammar, bad words,
+    allowed tokens, the mask: a -inf logit) or a row with no draft (-1, vLLM 0.34's placeholder) is left to
+    verification. On the device, no host sync: both vLLM paths call it, 0.32's wrapper and 0.34's logits
+    processor (``trusted_drafts.py``)."""
     import torch
 
-    index = torch.as_tensor(positions, device=target_logits.device)
-    drafts = draft_token_ids.to(target_logits.device)[index]
-    allowed = torch.isfinite(target_logits[index, drafts])
-    index, drafts = index[allowed], drafts[allowed]
-    target_logits[index, drafts] = target_logits[index].amax(-1) + 1.0
-    return target_logits
+    drafts = draft_token_ids.to(target_logits.device).long()
+    has_draft = drafts >= 0
+    drafts = drafts.clamp(min=0)[:, None]
+    draft_logit = target_logits.gather(1, drafts).squeeze(1)
+    trust = trust.to(target_logits.device) & has_draft & torch.isfinite(draft_logit)
+    passed = torch.where(trust, target_logits.amax(-1) + 1.0, draft_logit)
+    return target_logits.scatter_(1, drafts, passed[:, None])
 
 
 def forbid_mask(model, mask_id: int) -> None:

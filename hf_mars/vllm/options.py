@@ -86,12 +86,11 @@ def plugin_config(options: dict) -> dict:
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy
 
 
-def request_threshold(extra_args, temperature: float, threshold_mode: bool = True) -> float | None:
+def request_threshold(extra_args, temperature: float) -> float | None:
     """A request's own ``mars_threshold`` (``SamplingParams.extra_args``; the OpenAI server's ``vllm_xargs``),
     validated: None when it has none. Refused, at admission (an HTTP 400 on the server): a value outside [0, 1],
     a misspelt ``mars_*`` key, and tau < 1 on a sampling request (threshold mode trusts the masks' top token, a
-    greedy choice; a sampled request is verified by vLLM's rejection sampler, exactly as without MARS), and
-    without ``threshold_mode`` (vLLM >= 0.34's path, which has none yet) any tau < 1."""
+    greedy choice; a sampled request is verified by vLLM's rejection sampler, exactly as without MARS)."""
     from hf_mars.generation.config import check_threshold
 
     args = extra_args or {}
@@ -101,9 +100,6 @@ def request_threshold(extra_args, temperature: float, threshold_mode: bool = Tru
     if "mars_threshold" not in args:
         return None
     tau = check_threshold(args["mars_threshold"])
-    if tau < 1.0 and not threshold_mode:
-        raise ValueError(f"mars_threshold={tau:g}: threshold mode runs on vLLM 0.32-0.33's path only; on this "
-                         "vLLM, MARS is lossless (mars_threshold 1.0 or none).")
     if tau < 1.0 and temperature >= GREEDY_BELOW:
         raise ValueError(f"mars_threshold={tau:g} needs temperature 0: threshold mode trusts the masks' greedy "
                          "choice; a sampled request is served losslessly (mars_threshold 1.0 or none).")

@@ -23,6 +23,7 @@ from __future__ import annotations
 from vllm.v1.worker.gpu.spec_decode.speculator_config import SpeculatorConfig, register_speculative_method
 
 from .options import METHOD, OPTIONS_KEY, check_tokenizer, mars_settings, user_options
+from .trusted_drafts import register as register_trusted_drafts
 
 SPECULATOR = "hf_mars.vllm.speculator_gpu.MarsSpeculator"
 SET = ("num_speculative_tokens", "num_speculative_tokens_per_batch_size")  # MARS sets these, as on 0.32
@@ -50,8 +51,9 @@ class MarsSpeculatorConfig(SpeculatorConfig):
                              "--model); none was given to SpeculativeConfig.")
         options = user_options({"method": METHOD, OPTIONS_KEY: spec.speculator_options or {}})
         if "tau_ladder" in options:
-            raise ValueError("speculative method 'mars': tau_ladder (threshold mode) runs on vLLM 0.32-0.33's path "
-                             "only; on this vLLM, MARS is lossless.")
+            raise ValueError("speculative method 'mars': tau_ladder (threshold mode by the scheduler's load) runs on "
+                             "vLLM 0.32-0.33's path only: on this vLLM neither a speculator nor a logits processor "
+                             "sees the load. A request's own mars_threshold works here.")
         settings = mars_settings(options, target.hf_config)
         clashes = [f"{name}={getattr(spec, name)!r}" for name in SET if getattr(spec, name) is not None]
         clashes += [f"{name}={getattr(spec, name)!r}" for name, value in KEEP.items() if getattr(spec, name) != value]
@@ -64,6 +66,7 @@ class MarsSpeculatorConfig(SpeculatorConfig):
         for name, value in settings.items():
             setattr(spec, name, value)
         check_tokenizer(target)
+        register_trusted_drafts(target)  # threshold mode: a request's mars_threshold (trusted_drafts.py)
 
 
 def install() -> None:

@@ -29,8 +29,11 @@ from __future__ import annotations
 import torch
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
+from hf_mars.generation.rules import confidence
+
 from .drafts import forbid_mask, mask_span, proposal
 from .options import checkpoint_facts
+from .trusted_drafts import shared_state
 
 
 class MarsSpeculator(DraftModelSpeculator):
@@ -45,6 +48,7 @@ class MarsSpeculator(DraftModelSpeculator):
         self.draft_attn_layer_names = set()  # nor draft attention layers
         self.target = None
         self.proposals = torch.full((self.max_num_reqs, self.width), self.mask_id, dtype=torch.int64, device=device)
+        self.trust = shared_state(vllm_config, self.max_num_reqs, device)  # threshold mode's (trusted_drafts.py)
 
     def load_model(self, target_model) -> None:
         """Keep the target and forbid its mask token; there is no draft model to load."""
@@ -93,14 +97,24 @@ class MarsSpeculator(DraftModelSpeculator):
             if count:
                 rows.extend(range(start + first, start + first + count))
                 owners.append((i, count))
-        drafts = {}
+        slots = input_batch.idx_mapping_np[:num_reqs]
+        trusting = self.trust.trusting(slots)  # a request here has a mars_threshold < 1: keep each draft's confidence
+        drafts, sure = {}, {}
         if rows:
             positions = input_batch.logits_indices[torch.tensor(rows, device=input_batch.logits_indices.device)]
-            argmax = self.target.compute_logits(last_hidden_states[positions]).argmax(-1).tolist()
+            logits = self.target.compute_logits(last_hidden_states[positions])
+            argmax = logits.argmax(-1).tolist()
+            top = (confidence("probability", None, scores=logits.float(), of_distribution=True).tolist()
+                   if trusting else [0.0] * len(argmax))
             at = 0
             for i, count in owners:
-                drafts[i], at = argmax[at:at + count], at + count
+                drafts[i], sure[i], at = argmax[at:at + count], top[at:at + count], at + count
         pad = [self.mask_id] * (self.width - width)
         rows_out = [proposal(drafts.get(i, []), self.mask_id, block, width) + pad for i in range(num_reqs)]
         self.proposals[:num_reqs].copy_(torch.tensor(rows_out, dtype=torch.int64))
+        if trusting:  # each slot's drafts' top probabilities, 0 under its masks (never trusted)
+            columns = self.trust.confidence.shape[1]
+            sure_rows = [(sure.get(i, [])[:block] + [0.0] * columns)[:columns] for i in range(num_reqs)]
+            self.trust.confidence[torch.as_tensor(slots, device=self.trust.confidence.device)] = torch.tensor(
+                sure_rows, dtype=torch.float32, device=self.trust.confidence.device)
         return self.proposals[:num_reqs]
