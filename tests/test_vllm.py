@@ -305,15 +305,16 @@ def test_mask_token_never_emitted_even_when_sampling(engines, checkpoint):
     assert sum(map(len, sampled)) == 32 * 64 and not any(mask_id in t for t in sampled)
 
 
-def _threshold_mode() -> bool:
-    """Threshold mode runs on the 0.32-0.33 path; vLLM >= 0.34's registered method refuses tau < 1 (for now)."""
+def _tau_ladder() -> bool:
+    """The load-driven tau_ladder runs on the 0.32-0.33 path; vLLM >= 0.34's registered method refuses it (no
+    plugin sees the scheduler's load there). A request's own mars_threshold runs on both."""
     from hf_mars.vllm import _patches
 
     return not _patches.uses_registration()
 
 
-needs_threshold_mode = pytest.mark.skipif(HAS_VLLM and not _threshold_mode(),
-                                          reason="threshold mode runs on vLLM 0.32-0.33's path only")
+needs_tau_ladder = pytest.mark.skipif(HAS_VLLM and not _tau_ladder(),
+                                      reason="the tau_ladder runs on vLLM 0.32-0.33's path only")
 
 
 def _steps_and_accepted(llm, prompts, **sampling):
@@ -326,7 +327,6 @@ def _steps_and_accepted(llm, prompts, **sampling):
 
 
 @needs_vllm
-@needs_threshold_mode
 def test_threshold_mode_per_request(engines):
     """A request's mars_threshold: tau = 1 is plain greedy, alone or beside rows that trust every draft in the
     same batch; tau = 0 passes every draft, so each step after the first emits B + 1 tokens."""
@@ -357,11 +357,10 @@ def test_a_bad_threshold_is_refused_at_admission_and_the_engine_serves_on(engine
 
     plain, mars = engines
     prompts = _prompts(2, seed=6)
-    tau_below_1 = "needs temperature 0" if _threshold_mode() else "0.32-0.33's path only"
     for extra, temperature, match in (({"mars_threshold": 1.5}, 0.0, r"\[0, 1\]"),
                                       ({"mars_threshold": "0.9"}, 0.0, r"\[0, 1\]"),
                                       ({"mars_treshold": 0.9}, 0.0, "unknown MARS"),
-                                      ({"mars_threshold": 0.9}, 0.8, tau_below_1)):
+                                      ({"mars_threshold": 0.9}, 0.8, "needs temperature 0")):
         with pytest.raises(VLLMValidationError, match=match):
             mars.generate(prompts, SamplingParams(temperature=temperature, max_tokens=8, extra_args=extra))
     with pytest.raises(VLLMValidationError, match="does not run the speculative method 'mars'"):
@@ -439,17 +438,16 @@ def test_openai_server_with_the_plugin(engines, checkpoint, tmp_path):
                     temperature=0)
         assert client.chat.completions.create(**chat, extra_body={"mars_threshold": 1.0}).choices[0].message.content \
             == client.chat.completions.create(**chat).choices[0].message.content
-        if _threshold_mode():
-            trusting = client.completions.create(model=str(checkpoint), prompt=prompt, max_tokens=32,
-                                                 temperature=0, extra_body={"mars_threshold": 0.0})
-            assert trusting.choices[0].text != r.choices[0].text
+        trusting = client.completions.create(model=str(checkpoint), prompt=prompt, max_tokens=32,
+                                             temperature=0, extra_body={"mars_threshold": 0.0})
+        assert trusting.choices[0].text != r.choices[0].text
         for extra in ({"vllm_xargs": {"mars_threshold": 2}}, {"mars_threshold": 2}, {"mars_treshold": 0.5},
                       {"mars_threshold": 0.5, "vllm_xargs": {"mars_threshold": 1.0}}):
             with pytest.raises(openai.BadRequestError, match="mars_t") as refused:
                 client.completions.create(model=str(checkpoint), prompt=prompt, max_tokens=8, temperature=0,
                                           extra_body=extra)
             assert refused.value.status_code == 400, extra
-        with pytest.raises(openai.BadRequestError, match="needs temperature 0|0.32-0.33's path only"):
+        with pytest.raises(openai.BadRequestError, match="needs temperature 0"):
             client.chat.completions.create(**{**chat, "temperature": 0.7}, extra_body={"mars_threshold": 0.9})
         assert client.completions.create(model=str(checkpoint), prompt=prompt, max_tokens=32,
                                          temperature=0).choices[0].text == r.choices[0].text  # still serving
@@ -514,7 +512,7 @@ def test_lossless_with_a_batch_ladder(engines, checkpoint):
 
 
 @needs_vllm
-@needs_threshold_mode
+@needs_tau_ladder
 def test_tau_ladder_by_load(engines, checkpoint):
     """tau_ladder "0:1.0,4:0.0": a request alone is served losslessly; at a load of 4 or more, greedy rows trust
     every draft, except a row that sends its own mars_threshold 1.0. The load is the scheduler's running + waiting
