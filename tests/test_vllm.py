@@ -305,18 +305,6 @@ def test_mask_token_never_emitted_even_when_sampling(engines, checkpoint):
     assert sum(map(len, sampled)) == 32 * 64 and not any(mask_id in t for t in sampled)
 
 
-def _tau_ladder() -> bool:
-    """The load-driven tau_ladder runs on the 0.32-0.33 path; vLLM >= 0.34's registered method refuses it (no
-    plugin sees the scheduler's load there). A request's own mars_threshold runs on both."""
-    from hf_mars.vllm import _patches
-
-    return not _patches.uses_registration()
-
-
-needs_tau_ladder = pytest.mark.skipif(HAS_VLLM and not _tau_ladder(),
-                                      reason="the tau_ladder runs on vLLM 0.32-0.33's path only")
-
-
 def _steps_and_accepted(llm, prompts, **sampling):
     before = _counters(llm)
     out = _tokens(llm, prompts, **sampling)
@@ -512,7 +500,6 @@ def test_lossless_with_a_batch_ladder(engines, checkpoint):
 
 
 @needs_vllm
-@needs_tau_ladder
 def test_tau_ladder_by_load(engines, checkpoint):
     """tau_ladder "0:1.0,4:0.0": a request alone is served losslessly; at a load of 4 or more, greedy rows trust
     every draft, except a row that sends its own mars_threshold 1.0. The load is the scheduler's running + waiting

@@ -86,7 +86,7 @@ def test_engine_args_build_the_mars_speculative_config(plugin, checkpoint):
 
 
 @pytest.mark.parametrize("spec, message", [
-    (speculative_config(tau_ladder="0:1,4:0.9"), "tau_ladder"),
+    ({"method": "mars", "speculator_options": {"tau_ladder": "0:1,4:1.5"}}, "tau_ladder"),
     ({"method": "mars", "num_speculative_tokens": 3}, "cannot be combined"),
     ({"method": "mars", "draft_sample_method": "probabilistic"}, "cannot be combined"),
     ({"method": "mars", "speculator_options": {"blocksize": 2}}, "blocksize"),
@@ -97,8 +97,7 @@ def test_what_breaks_exactness_is_refused_at_configuration(plugin, checkpoint, s
         _speculative(checkpoint, spec)
 
 
-@pytest.fixture(scope="module")
-def engine_config(plugin, checkpoint):
+def _engine_config(checkpoint, spec):
     """vLLM's VllmConfig for a MARS engine, built on the CPU platform as vLLM builds it."""
     from vllm.platforms import current_platform
 
@@ -108,7 +107,12 @@ def engine_config(plugin, checkpoint):
     # is about running the engine, which these tests do not (a test shim, scoped to building this config).
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(type(current_platform), "check_and_update_config", classmethod(lambda cls, config: None))
-        return _engine_args(checkpoint, speculative_config()).create_engine_config()
+        return _engine_args(checkpoint, spec).create_engine_config()
+
+
+@pytest.fixture(scope="module")
+def engine_config(plugin, checkpoint):
+    return _engine_config(checkpoint, speculative_config())
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +125,7 @@ def speculator(engine_config):
     return built
 
 
-@pytest.fixture(scope="module")
-def trusted_drafts(engine_config):
+def _trusted_drafts(engine_config):
     """MarsTrustedDrafts as the V2 runner builds its custom logits processors (vLLM's own loader, from the
     model config's logits_processors), on request state shaped like the runner's."""
     from types import SimpleNamespace
@@ -137,6 +140,11 @@ def trusted_drafts(engine_config):
     mine = [processor for processor in built if type(processor).__name__ == "MarsTrustedDrafts"]
     assert len(mine) == 1, f"vLLM built {built} from {engine_config.model_config.logits_processors}"
     return mine[0]
+
+
+@pytest.fixture(scope="module")
+def trusted_drafts(engine_config):
+    return _trusted_drafts(engine_config)
 
 
 class _Target(torch.nn.Module):
@@ -353,7 +361,6 @@ def test_trusted_drafts_pass_verification_only_where_their_mask_was_tau_sure(tru
         extra = {} if tau is None else {"mars_threshold": tau}
         trusting = trusted_drafts.add_request(slot, SamplingParams(temperature=0.0, extra_args=extra))
         assert trusting == (tau is not None and tau < 1)
-    trusted_drafts.apply_staged_writes()
     for slot in taus:
         state.confidence[slot] = 0.0
         state.confidence[slot, :2] = torch.tensor([0.9, 0.4])
@@ -370,7 +377,6 @@ def test_trusted_drafts_pass_verification_only_where_their_mask_was_tau_sure(tru
     assert torch.equal(processed[unchanged], logits[unchanged])  # other requests' logits are untouched
     for slot in taus:  # leave the slots as a fresh engine has them
         trusted_drafts.add_request(slot, SamplingParams(temperature=0.0))
-    trusted_drafts.apply_staged_writes()
     assert torch.equal(trusted_drafts.apply(logits.clone(), ctx), logits)
 
 
@@ -399,3 +405,53 @@ def test_propose_keeps_each_trusting_requests_draft_confidences(speculator, trus
     torch.testing.assert_close(speculator.trust.confidence[slot, :4], expected)
     assert speculator.trust.confidence[slot, 4:].eq(0).all()
     trusted_drafts.add_request(slot, SamplingParams(temperature=0.0))
+
+
+def test_the_tau_ladder_follows_the_schedulers_load_into_the_worker(plugin, checkpoint):
+    """speculator_options' tau_ladder: the plugin's Scheduler.schedule wrapper writes the scheduler's running +
+    waiting requests on its output, the V2 runner's execute_model wrapper hands it to the worker's threshold
+    state, and the processor gives a greedy request without its own mars_threshold the ladder's tau at that
+    load: lossless below 4 requests, every draft trusted from 4 (but a mask never); a request's own tau 1.0, and a
+    sampling request, stay lossless."""
+    from types import SimpleNamespace
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    from hf_mars.vllm.options import LOAD_FIELD, engine_tau_ladder
+    from hf_mars.vllm.trusted_drafts import NEVER
+
+    config = _engine_config(checkpoint, speculative_config(tau_ladder="0:1.0,4:0.0"))
+    assert engine_tau_ladder(config) == "0:1.0,4:0.0"
+    for method in (Scheduler.schedule, GPUModelRunner.execute_model):
+        assert getattr(method, "__wrapped__", None) is not None, f"the plugin did not wrap {method.__qualname__}"
+    schedule = _patches._mars_load(lambda self: SchedulerOutput.make_empty())
+    out = schedule(SimpleNamespace(vllm_config=config, get_request_counts=lambda: (2, 3)))
+    assert getattr(out, LOAD_FIELD) == 5
+    lossless = _engine_config(checkpoint, speculative_config())
+    assert not hasattr(schedule(SimpleNamespace(vllm_config=lossless, get_request_counts=lambda: (2, 3))),
+                       LOAD_FIELD)  # no ladder: nothing written
+
+    processor = _trusted_drafts(config)
+    execute = _patches._mars_worker_load(lambda self, scheduler_output, *args, **kwargs: "ran")
+    runner = SimpleNamespace(vllm_config=config, max_num_reqs=processor.state.tau.shape[0], device="cpu")
+    assert execute(runner, out) == "ran" and processor.state.load == 5
+
+    M = 63
+    for slot, extra, temperature in ((0, {}, 0.0), (1, {"mars_threshold": 1.0}, 0.0), (2, {}, 0.8)):
+        processor.add_request(slot, SamplingParams(temperature=temperature, extra_args=extra))
+        processor.state.confidence[slot] = 0.0
+        processor.state.confidence[slot, :2] = torch.tensor([0.9, 0.4])
+    assert processor.state.taus([0, 1, 2]).tolist() == [0.0, NEVER, NEVER]
+    rows = [(0, [5, 20, 21, M, M]), (1, [6, 30, 31, M, M])]
+    ctx = _logits_context(rows)
+    logits = torch.randn(len(ctx.input_ids), 64, generator=torch.Generator().manual_seed(1))
+    logits[:, M] = float("-inf")
+    logits[:, 10] = 10.0  # the target's own token
+    assert _greedy_verify(processor.apply(logits.clone(), ctx), rows) == [[20, 21, 10], [10]]
+    processor.state.load = 3  # below the ladder's 4: lossless
+    assert _greedy_verify(processor.apply(logits.clone(), ctx), rows) == [[10], [10]]
+    for slot in (0, 1, 2):
+        processor.add_request(slot, SamplingParams(temperature=0.0, extra_args={"mars_threshold": 1.0}))

@@ -118,6 +118,16 @@ class _FakeDraftModelSpeculator:  # ...spec_decode.speculator.DraftModelSpeculat
         self.draft_logits = None
 
 
+class _FakeScheduler:  # vllm.v1.core.sched.scheduler.Scheduler: the tau ladder's load is written on its output
+    def schedule(self):
+        return SimpleNamespace()
+
+
+class _FakeV2Runner:  # vllm.v1.worker.gpu.model_runner.GPUModelRunner: the load reaches the worker here
+    def execute_model(self, scheduler_output):
+        return None
+
+
 class _FakeLogitsProcessor:  # ...gpu.sample.logits_processor.interface.LogitsProcessor, MarsTrustedDrafts' base
     pass
 
@@ -178,7 +188,9 @@ def fake_vllm(monkeypatch):
                   "SpeculatorConfig": _FakeSpeculatorConfig,
                   "register_speculative_method": register_speculative_method},
               "vllm.v1.worker.gpu.spec_decode.speculator": {"DraftModelSpeculator": _FakeDraftModelSpeculator},
-              "vllm.v1.worker.gpu.sample.logits_processor.interface": {"LogitsProcessor": _FakeLogitsProcessor}}
+              "vllm.v1.worker.gpu.sample.logits_processor.interface": {"LogitsProcessor": _FakeLogitsProcessor},
+              "vllm.v1.core.sched.scheduler": {"Scheduler": type("Scheduler", (_FakeScheduler,), {})},
+              "vllm.v1.worker.gpu.model_runner": {"GPUModelRunner": type("GPUModelRunner", (_FakeV2Runner,), {})}}
     for name in sorted({".".join(leaf.split(".")[:i + 1]) for leaf in leaves for i in range(leaf.count(".") + 1)}):
         module = ModuleType(name)
         module.__path__ = []  # a package: a submodule not given here is missing, as in a vLLM that moved it
@@ -236,8 +248,15 @@ def test_install_registers_mars_where_vllm_has_the_registry(fake_vllm, monkeypat
     for bad in (fake.SamplingParams({"mars_threshold": 1.5}), fake.SamplingParams({"mars_threshold": 0.5}, 0.7)):
         with pytest.raises(fake.VLLMValidationError, match="mars_threshold"):
             fake.InputProcessor()._validate_params(bad, ())
+    spec = _spec(speculator_options={"tau_ladder": "0:1.0,4:0.9"})  # threshold mode by load runs here too
+    config.configure(spec)
+    assert spec.speculator_options == {"tau_ladder": "0:1.0,4:0.9"}  # where the workers read it
     with pytest.raises(ValueError, match="tau_ladder"):
-        config.configure(_spec(speculator_options={"tau_ladder": "0:1.0,4:0.9"}))
+        config.configure(_spec(speculator_options={"tau_ladder": "0:1.0,4:1.9"}))
+    # and the scheduler's load reaches the workers through the two wrappers the plugin put on vLLM
+    for module, cls, name in (("vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
+                              ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "execute_model")):
+        assert getattr(getattr(getattr(sys.modules[module], cls), name), "__wrapped__", None) is not None, name
 
 
 @pytest.mark.parametrize("failure", ["registration raises", "a contract moved"])

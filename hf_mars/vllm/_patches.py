@@ -24,12 +24,14 @@ vLLM 0.32-0.33 (the V1 runner, ``custom_class``): five wrapped methods and a rep
    speculative method under sampling (``expand_batch_to_tokens`` says how); replaced by the same computation in plain torch.
 
 vLLM >= 0.34 (the V2 runner): vLLM's ``register_speculative_method`` adds "mars" (``speculator.py``,
-``speculator_gpu.py``), and a request's ``mars_threshold`` runs through vLLM's own custom logits processors
-(``trusted_drafts.py``, which ``speculator.py`` adds to the target's ``logits_processors``); the one wrapper is
-4. (the engine-wide ``tau_ladder`` needs the scheduler's load, which 0.34 shows no plugin: refused). NOT YET RUN in an engine: everything up to the
-engine (the plugin loader, the contracts, the registry, EngineArgs -> SpeculativeConfig, init_speculator, propose on
-vLLM's InputBatch) is tested against vLLM 0.34.0's own package on CPU (tests/test_vllm_registered.py), but no
-engine has decoded with it (0.34 has no CPU build; benchmarks/gpu_check.sh is its first engine run).
+``speculator_gpu.py``), and threshold mode runs through vLLM's own custom logits processors (``trusted_drafts.py``,
+which ``speculator.py`` adds to the target's ``logits_processors``). Three wrappers remain: 4., the same
+``Scheduler.schedule`` one, and the V2 runner's ``execute_model``, which hands the load it wrote to the worker's
+threshold state (``_mars_worker_load``: on 0.34 no plugin hook sees the scheduler). NOT YET RUN in an engine:
+everything up to the engine (the plugin loader, the contracts, the registry, EngineArgs -> SpeculativeConfig,
+init_speculator, propose on vLLM's InputBatch, the logits processor on vLLM's LogitsContext) is tested against
+vLLM 0.34.0's own package on CPU (tests/test_vllm_registered.py), but no engine has decoded with it (0.34 has no
+CPU build; benchmarks/gpu_check.sh is its first engine run).
 
 ``check_contracts`` / ``check_contracts_v2`` (``contracts.py``, importable from here) list what each path relies on
 in vLLM's internals.
@@ -95,13 +97,19 @@ def install() -> None:
 
 def _register() -> None:
     """vLLM >= 0.34: add "mars" through vLLM's own registry (NOT YET RUN, see speculator.py)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
 
     from . import speculator
 
     wrapped_admission = _mars_admission(InputProcessor._validate_params)
     wrapped_requests = _request_field_wrappers()
+    wrapped_schedule = _mars_load(Scheduler.schedule)
+    wrapped_execute = _mars_worker_load(V2Runner.execute_model)
     speculator.install()
+    Scheduler.schedule = wrapped_schedule
+    V2Runner.execute_model = wrapped_execute
     InputProcessor._validate_params = wrapped_admission
     for request, to_sampling_params in wrapped_requests:
         request.to_sampling_params = to_sampling_params
@@ -218,14 +226,31 @@ def _mars_drafts(original):
 def _mars_load(original):
     @functools.wraps(original)
     def schedule(self, *args, **kwargs):
-        from .options import LOAD_FIELD, PLUGIN_CONFIG_KEY
+        from .options import LOAD_FIELD, engine_tau_ladder
 
         out = original(self, *args, **kwargs)
-        if "tau_ladder" in ((self.vllm_config.additional_config or {}).get(PLUGIN_CONFIG_KEY) or {}):
+        if engine_tau_ladder(self.vllm_config):
             setattr(out, LOAD_FIELD, sum(self.get_request_counts()))
         return out
 
     return schedule
+
+
+def _mars_worker_load(original):
+    """vLLM >= 0.34: the V2 runner's ``execute_model`` hands the load the scheduler wrote (``_mars_load``) to the
+    worker's threshold state, which the logits processor and the speculator read (``trusted_drafts.py``)."""
+    @functools.wraps(original)
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        from .options import LOAD_FIELD
+
+        load = getattr(scheduler_output, LOAD_FIELD, None)
+        if load is not None:
+            from .trusted_drafts import shared_state
+
+            shared_state(self.vllm_config, self.max_num_reqs, self.device).load = int(load)
+        return original(self, scheduler_output, *args, **kwargs)
+
+    return execute_model
 
 
 def _mars_sample(original):

@@ -95,12 +95,6 @@ def check_contracts() -> list[str]:
 
     if "num_spec_tokens_to_schedule" not in getattr(SchedulerOutput, "__dataclass_fields__", {}):
         problems.append("SchedulerOutput has no field 'num_spec_tokens_to_schedule'")
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    scheduler_source = inspect.getsource(Scheduler)
-    if "return len(self.running), len(self.waiting)" not in scheduler_source or \
-            "self.vllm_config = vllm_config" not in scheduler_source:
-        problems.append("Scheduler no longer counts its running and waiting requests (get_request_counts)")
     fields = getattr(SpecDecodeMetadata, "__dataclass_fields__", {})
     for name in ("draft_token_ids", "num_draft_tokens"):
         if name not in fields:
@@ -199,6 +193,13 @@ def _trusted_drafts_problems() -> list[str]:
     for call in ("init_speculator(self.vllm_config,", "build_custom_logits_processors(self.vllm_config,"):
         if call not in runner:
             problems.append(f"the V2 GPUModelRunner no longer calls {call.split('(')[0]} with its own VllmConfig")
+    execute = list(inspect.signature(V2Runner.execute_model).parameters)[:2]
+    if execute != ["self", "scheduler_output"]:  # _patches._mars_worker_load reads the load there
+        problems.append(f"the V2 GPUModelRunner.execute_model takes {execute}..., expected self, scheduler_output")
+    missing = [name for name in ("self.vllm_config=vllm_config", "self.device=device", "self.max_num_reqs=")
+               if name not in runner]  # (whitespace-free, as runner is)
+    if missing:
+        problems.append(f"the V2 GPUModelRunner no longer sets {missing}")
     if "self.model_config.logits_processors" not in inspect.getsource(input_processor):
         problems.append("InputProcessor no longer validates requests with the model config's logits_processors")
     missing = [s for s in _REJECTION_V2_SOURCE if s not in inspect.getsource(rejection_sampler)]
@@ -244,6 +245,17 @@ def _shared_problems(series: tuple[str, ...]) -> list[str]:
     for name in ("speculative_config", "spec_method"):
         if name not in EngineArgs.__dataclass_fields__:
             problems.append(f"EngineArgs has no field {name!r}")
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    # the tau ladder's load (_patches._mars_load): the scheduler's counts, written on its output
+    counts = getattr(Scheduler, "get_request_counts", None)
+    counts = "".join(inspect.getsource(counts).split()) if callable(counts) else ""  # whitespace-free
+    if "returnlen(self.running)," not in counts or "len(self.waiting)" not in counts or \
+            "self.vllm_config = vllm_config" not in inspect.getsource(Scheduler):
+        problems.append("Scheduler no longer counts its running and waiting requests (get_request_counts)")
+    if "__slots__" in vars(SchedulerOutput) or "-> SchedulerOutput:" not in inspect.getsource(Scheduler.schedule):
+        problems.append("Scheduler.schedule no longer returns a SchedulerOutput the load can be written on")
     from vllm.model_executor.models.interfaces_base import VllmModelForTextGeneration
 
     logits_params = list(inspect.signature(VllmModelForTextGeneration.compute_logits).parameters)

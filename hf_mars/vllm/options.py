@@ -78,6 +78,16 @@ def parse_tau_ladder(spec):
     return TauLadder(spec, name="tau_ladder")
 
 
+def engine_tau_ladder(vllm_config) -> str | None:
+    """The engine's ``tau_ladder`` (None: none), where each path keeps it: 0.32-0.33 in
+    ``additional_config["hf_mars"]`` (``plugin_config``), >= 0.34 in the registered method's ``speculator_options``.
+    The scheduler's load wrapper and the workers read it here."""
+    ours = (getattr(vllm_config, "additional_config", None) or {}).get(PLUGIN_CONFIG_KEY) or {}
+    spec = getattr(vllm_config, "speculative_config", None)
+    registered = (getattr(spec, OPTIONS_KEY, None) or {}) if spec is not None else {}
+    return ours.get("tau_ladder") or (registered.get("tau_ladder") if isinstance(registered, dict) else None)
+
+
 def plugin_config(options: dict) -> dict:
     """What the workers need beyond vLLM's speculative fields (``VllmConfig.additional_config["hf_mars"]``)."""
     return {"tau_ladder": str(parse_tau_ladder(options["tau_ladder"]))} if "tau_ladder" in options else {}
@@ -197,7 +207,10 @@ def user_options(spec: dict) -> dict:
     twice = sorted(set(flat) & set(nested))
     if twice:
         raise ValueError(f"speculative method 'mars': {twice} given both flat and in {OPTIONS_KEY}.")
-    return {**flat, **nested}
+    options = {**flat, **nested}
+    if "tau_ladder" in options:
+        parse_tau_ladder(options["tau_ladder"])  # a bad ladder fails here, at configuration, not in a worker
+    return options
 
 
 def mars_settings(options: dict, hf_config) -> dict:

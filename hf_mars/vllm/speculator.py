@@ -34,7 +34,8 @@ KEEP = {"model": None, "draft_sample_method": "greedy", "rejection_sample_method
 
 
 class MarsSpeculatorConfig(SpeculatorConfig):
-    """``{"method": "mars"[, "speculator_options": {"block_size": b, "batch_ladder": "1:4,16:2,48:0"}]}``.
+    """``{"method": "mars"[, "speculator_options": {"block_size": b, "batch_ladder": "1:4,16:2,48:0",
+    "tau_ladder": "0:1,8:0.95"}]}`` (``options.speculative_config`` says what each does).
 
     No draft checkpoint: the target's config stands in for the draft's (``SpeculatorConfig.configure``), and
     ``num_speculative_tokens`` is 2B from ``config.mars`` (``options.mars_settings``), like the 0.32 path."""
@@ -50,10 +51,6 @@ class MarsSpeculatorConfig(SpeculatorConfig):
             raise ValueError("speculative method 'mars' needs the target model's config (vLLM builds it from "
                              "--model); none was given to SpeculativeConfig.")
         options = user_options({"method": METHOD, OPTIONS_KEY: spec.speculator_options or {}})
-        if "tau_ladder" in options:
-            raise ValueError("speculative method 'mars': tau_ladder (threshold mode by the scheduler's load) runs on "
-                             "vLLM 0.32-0.33's path only: on this vLLM neither a speculator nor a logits processor "
-                             "sees the load. A request's own mars_threshold works here.")
         settings = mars_settings(options, target.hf_config)
         clashes = [f"{name}={getattr(spec, name)!r}" for name in SET if getattr(spec, name) is not None]
         clashes += [f"{name}={getattr(spec, name)!r}" for name, value in KEEP.items() if getattr(spec, name) != value]
@@ -66,7 +63,7 @@ class MarsSpeculatorConfig(SpeculatorConfig):
         for name, value in settings.items():
             setattr(spec, name, value)
         check_tokenizer(target)
-        register_trusted_drafts(target)  # threshold mode: a request's mars_threshold (trusted_drafts.py)
+        register_trusted_drafts(target)  # threshold mode: mars_threshold, tau_ladder (trusted_drafts.py)
 
 
 def install() -> None:
