@@ -453,5 +453,22 @@ def test_the_tau_ladder_follows_the_schedulers_load_into_the_worker(plugin, chec
     assert _greedy_verify(processor.apply(logits.clone(), ctx), rows) == [[20, 21, 10], [10]]
     processor.state.load = 3  # below the ladder's 4: lossless
     assert _greedy_verify(processor.apply(logits.clone(), ctx), rows) == [[10], [10]]
+    # under a ladder the speculator keeps its drafts' confidences even at a load where no request trusts: the
+    # load may rise before the step that verifies them
+    from vllm.v1.worker.gpu.spec_decode import init_speculator
+
+    speculator = init_speculator(config, torch.device("cpu"), None)
+    speculator.load_model(_Target(config.model_config.get_vocab_size()))
+    assert speculator.trust is processor.state
+    batch = _step_batch(speculator, [([30, 31], [speculator.mask_id] * 8)])
+    slot = int(batch.idx_mapping_np[0])
+    processor.add_request(slot, SamplingParams(temperature=0.0))
+    processor.state.confidence[slot] = 0.5  # stale
+    hidden = torch.zeros(len(batch.input_ids), speculator.vocab_size)
+    speculator.prepare_propose(batch, torch.tensor([1]), torch.tensor([0]), sampler=None)
+    speculator.propose(batch, None, None, hidden, None, torch.tensor([1]), torch.tensor([0]), None, None, None,
+                       None, num_speculative_tokens=speculator.width)
+    assert not processor.state.trusting([slot])  # load 3: tau 1
+    assert processor.state.confidence[slot].lt(0.5).all()  # refreshed: uniform masks, 0 under the masks
     for slot in (0, 1, 2):
         processor.add_request(slot, SamplingParams(temperature=0.0, extra_args={"mars_threshold": 1.0}))

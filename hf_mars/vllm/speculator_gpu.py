@@ -98,7 +98,9 @@ class MarsSpeculator(DraftModelSpeculator):
                 rows.extend(range(start + first, start + first + count))
                 owners.append((i, count))
         slots = input_batch.idx_mapping_np[:num_reqs]
-        trusting = self.trust.trusting(slots)  # a request here has a mars_threshold < 1: keep each draft's confidence
+        # each draft's confidence is kept while a request here trusts drafts, and always under a tau ladder: the load
+        # may lower a tau before the next step, whose drafts these are (the processor must never read stale ones)
+        trusting = self.trust.ladder is not None or self.trust.trusting(slots)
         drafts, sure = {}, {}
         if rows:
             positions = input_batch.logits_indices[torch.tensor(rows, device=input_batch.logits_indices.device)]
