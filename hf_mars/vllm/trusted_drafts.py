@@ -24,6 +24,8 @@ model-runner code.
 
 from __future__ import annotations
 
+import weakref
+
 from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor
 
 from hf_mars.generation.rules import one_token
@@ -33,7 +35,7 @@ from .options import GREEDY_BELOW, engine_tau_ladder, parse_tau_ladder, request_
 
 PROCESSOR = "hf_mars.vllm.trusted_drafts:MarsTrustedDrafts"  # the FQCN vLLM's ModelConfig.logits_processors takes
 NEVER = 2.0  # a slot's tau when it trusts nothing (no confidence reaches it)
-_STATES: dict[int, tuple[object, "SharedState"]] = {}  # id(vllm_config) -> (that config, its state)
+_STATES: dict[int, tuple[weakref.ref, "SharedState"]] = {}  # id(vllm_config) -> (that config, its state)
 
 
 class SharedState:
@@ -71,12 +73,14 @@ class SharedState:
 def shared_state(vllm_config, max_num_reqs: int, device) -> SharedState:
     """The state of this engine's worker, made by whichever of the speculator, the processor and the load wrapper
     asks first."""
-    entry = _STATES.get(id(vllm_config))
-    if entry is None or entry[0] is not vllm_config:
+    key = id(vllm_config)
+    entry = _STATES.get(key)
+    if entry is None or entry[0]() is not vllm_config:
         width = vllm_config.speculative_config.num_speculative_tokens
         ladder = engine_tau_ladder(vllm_config)
         state = SharedState(max_num_reqs, width, device, parse_tau_ladder(ladder) if ladder else None)
-        entry = _STATES[id(vllm_config)] = (vllm_config, state)
+        # held weakly: an engine's state goes with its config (a process may build many engines)
+        entry = _STATES[key] = (weakref.ref(vllm_config, lambda _, key=key: _STATES.pop(key, None)), state)
     return entry[1]
 
 
@@ -89,7 +93,8 @@ def register(model_config) -> None:
 
 
 class MarsTrustedDrafts(LogitsProcessor):
-    """vLLM's V2 ``LogitsProcessor`` for requests with a ``mars_threshold`` below 1."""
+    """vLLM's V2 ``LogitsProcessor`` for requests with a ``mars_threshold`` below 1 and, under the engine's
+    ``tau_ladder``, greedy requests without one."""
 
     def __init__(self, vllm_config, req_states):
         self.state = shared_state(vllm_config, req_states.max_num_reqs, req_states.device)
