@@ -1,7 +1,8 @@
 """vLLM >= 0.34's path (a registered speculative method) against the installed vLLM package itself, no engine.
 
 CI's vLLM 0.34 job installs vLLM 0.34.0's own package on the CPU without its CUDA kernel dependencies, which no
-CPU can load, so no engine starts there; everything vLLM runs before and around the engine does. These tests run
+CPU can load, and beside torch 2.13.0's CPU build (0.34 pins 2.14.0, whose CUDA build takes several GB; none of
+the code run here needs 2.14), so no engine starts there; everything vLLM runs before and around the engine does. These tests run
 what of the MARS path that covers, with vLLM's own code where tests/test_vllm_speculator.py has fakes:
 
 - the plugin, loaded by vLLM's own plugin loader: every contract check_contracts_v2 reads holds, "mars" is in
