@@ -82,6 +82,65 @@ def test_tree_value_reads_the_masks_probabilities():
     assert tree_value([], chain) == (0, 1, 0.0, 1.0)  # no drafts: the root's masks propose
 
 
+def _tree_value_by_building(candidates, layout):
+    """tree_value's reference: the tree `tree.Tree.grow` builds and the groups `choose_groups` gives it."""
+    from hf_mars.generation.tree import Tree
+
+    tree = Tree.grow(candidates, layout.shape)
+    tree.choose_groups(layout.min_share)
+    reach, child = {-1: 1.0}, {-1: 0.0}
+    for node, (parent, prob) in enumerate(zip(tree.parents, tree.probs)):
+        reach[node], child[node] = reach[parent] * prob, 0.0
+        child[parent] += prob
+    grouped_end = sum(reach[n] * max(0.0, 1.0 - child[n]) for n in tree.grouped)
+    return len(tree.tokens), len(tree.grouped), sum(reach.values()) - 1.0, min(grouped_end, 1.0)
+
+
+def test_tree_value_is_the_built_trees_value():
+    rng = random.Random(0)
+    layouts = menu(4, 0.03) + [Layout((1, 1), 4, 1.0), Layout((3, 2), 2, 0.1), Layout((2, 2, 2), 3, 0.0)]
+    for _ in range(400):
+        depth = rng.randrange(0, 5)
+        candidates = [[(rng.randrange(99), rng.random() ** rng.choice((1, 4))) for _ in range(rng.randrange(0, 4))]
+                      for _ in range(depth)]
+        for layout in layouts:
+            nodes, groups, expected, grouped_end = tree_value(candidates, layout)
+            ref = _tree_value_by_building(candidates, layout)
+            assert (nodes, groups) == ref[:2], (candidates, layout)
+            assert expected == pytest.approx(ref[2]) and grouped_end == pytest.approx(ref[3]), (candidates, layout)
+
+
+def test_best_drafting_is_the_scan_over_every_option():
+    """_best_drafting finds each row's best fit by bisection; the plain scan of every option is what it stands for."""
+    def scan(policy, rows, options):
+        widths = sorted({o[0] for opts in options.values() for o in opts if not o[4].plain})
+        best, best_rate = None, -1.0
+        for width in widths:
+            cost_ = policy.costs.estimate(rows, width)
+            picks, value, immediate = {}, 0.0, 0.0
+            for r, opts in options.items():
+                fit = [o for o in opts if o[0] <= width and not o[4].plain] or [opts[0]]
+                pick = max(fit, key=lambda o: (o[1], -o[0]))
+                picks[r], value, immediate = pick, value + pick[1], immediate + pick[2]
+            if value / cost_ > best_rate:
+                best, best_rate = (max(p[0] for p in picks.values()), picks, immediate), value / cost_
+        return best
+
+    rng = random.Random(1)
+    layouts = menu(4, 0.03)
+    for _ in range(200):
+        policy = _policy(_Costs(rng.uniform(0.001, 0.01), rng.uniform(0, 0.001)))
+        rows = rng.randrange(1, 9)
+        options = {}
+        for r in range(rows):
+            width0 = rng.randrange(1, 4)
+            opts = [(width0, 1.0, 1.0, 0.0, PLAIN)]
+            for layout in layouts:  # coarse values and widths: ties in both, as rounding gives them
+                opts.append((width0 + rng.randrange(1, 12), rng.choice((1.0, 1.5, 2.0, 2.5)), 1.0, 0.5, layout))
+            options[r] = opts
+        assert policy._best_drafting(rows, options) == scan(policy, rows, options)
+
+
 def test_menu_and_the_shape_proposals_keep():
     layouts = menu(4, 0.03)
     labels = [layout.label() for layout in layouts]

@@ -33,6 +33,7 @@ kept per model / device / dtype and batch size for the life of the process (`rec
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 
@@ -97,18 +98,22 @@ def propose_shape(layouts) -> tuple:
 
 def tree_value(candidates, layout) -> tuple:
     """(nodes, groups, expected accepted drafts, P(the path ends at a node with masks)) of ``layout`` over one
-    row's candidates (per depth, (token, probability) pairs, best first)."""
-    from .tree import Tree  # (tree.py imports this module's users: imported late)
-
-    tree = Tree.grow(candidates, layout.shape)
-    tree.choose_groups(layout.min_share)
-    reach, child = {-1: 1.0}, {-1: 0.0}
-    for node, (parent, prob) in enumerate(zip(tree.parents, tree.probs)):
-        reach[node] = reach[parent] * prob
-        child[node] = 0.0
-        child[parent] += prob
-    grouped_end = sum(reach[n] * max(0.0, 1.0 - child[n]) for n in tree.grouped)
-    return len(tree.tokens), len(tree.grouped), sum(reach.values()) - 1.0, min(grouped_end, 1.0)
+    row's candidates (per depth, (token, probability) pairs, best first): what `tree.Tree.grow` and
+    `tree.Tree.choose_groups` would build, read level by level without building it (the policy asks this for every
+    row and layout each step: building the trees was most of its host time). A tree's depth-d candidates are the
+    same under every parent, so a node's children carry the same probability mass at every node of a depth."""
+    levels, child_mass = [[1.0]], []  # P(reach) of each node, per depth (the root first); children's mass per depth
+    for depth in range(min(len(candidates), len(layout.shape))):
+        probs = [prob for _, prob in candidates[depth][:layout.shape[depth]]]
+        if not probs:
+            break
+        child_mass.append(sum(probs))
+        levels.append([reach * prob for reach in levels[-1] for prob in probs])
+    child_mass.append(0.0)  # the deepest nodes have no children
+    ends = [reach * max(0.0, 1.0 - child_mass[d]) for d, level in enumerate(levels) for reach in level]
+    grouped = [end for end in ends if end >= layout.min_share] or [max(ends)]
+    nodes = sum(len(level) for level in levels[1:])
+    return nodes, len(grouped), sum(sum(level) for level in levels[1:]), min(sum(grouped), 1.0)
 
 
 @dataclasses.dataclass
@@ -216,16 +221,17 @@ class DraftPolicy:
     def _best_drafting(self, rows, options):
         """Over every width a drafting layout gives: each row's best-valued layout that fits; the width whose
         value per second is highest. None when the costs cannot tell (fewer than two widths timed)."""
-        widths = sorted({o[0] for opts in options.values() for o in opts if not o[4].plain})
+        fits = {r: _best_fits(opts) for r, opts in options.items()}  # per row: (widths, best pick up to each)
+        widths = sorted({w for row_widths, _ in fits.values() for w in row_widths})
         best, best_rate = None, -1.0
         for width in widths:
             cost = self.costs.estimate(rows, width)
             if cost is None:
                 return None
             picks, value, immediate = {}, 0.0, 0.0
-            for r, opts in options.items():
-                fit = [o for o in opts if o[0] <= width and not o[4].plain] or [opts[0]]
-                pick = max(fit, key=lambda o: (o[1], -o[0]))
+            for r, (row_widths, row_best) in fits.items():
+                at = bisect.bisect_right(row_widths, width) - 1
+                pick = row_best[at] if at >= 0 else options[r][0]  # nothing fits: the row's plain option
                 picks[r], value, immediate = pick, value + pick[1], immediate + pick[2]
             if value / cost > best_rate:
                 best, best_rate = (max(p[0] for p in picks.values()), picks, immediate), value / cost
@@ -381,6 +387,23 @@ def record_for(model, rows: int, loop: str = "tree"):
             "call-chain": lambda: CallRecord(CALL_LAYOUTS[1:]),  # (no tree: the chain or plain)
             "threshold-call": ThresholdCallRecord}[loop]
     return per_model(_RECORDS, (model_key(model), int(rows), loop), model, make)
+
+
+def _best_fits(opts) -> tuple:
+    """One row's drafting options (width, value, ...) as (their widths, ascending; the option that
+    ``max(value, -width)`` picks among those up to each width, the first listed of equals), so that a width's best
+    fit is one bisection instead of a scan of every option."""
+    drafting = sorted((o for o in opts if not o[4].plain), key=lambda o: o[0])  # (stable: listed order within a width)
+    widths, best, kept = [], [], None
+    for option in drafting:
+        if kept is None or (option[1], -option[0]) > (kept[1], -kept[0]):
+            kept = option
+        if widths and widths[-1] == option[0]:
+            best[-1] = kept
+        else:
+            widths.append(option[0])
+            best.append(kept)
+    return widths, best
 
 
 def _deepest_grouped(layouts):
