@@ -27,9 +27,8 @@ lossless: a layout only decides which drafts are checked, never what is emitted 
 'cost' is opt-in: on the CPU measured it did not beat 'auto' (its wider layouts do not pay at batch 4 and 16), and
 its per-step choice costs host time (~0.3 ms a step at batch 16). The decoder asks it at
 `proposers.choose_layout` (before a step, `choose_step`) and tells it the step's time from `MARSDecoder.step`
-(after it, `observe_step`). Every record is
-kept per model / device / dtype and batch size for the life of the process (`record_for`), as the step costs are
-(`cost.costs_for`): a short call has fewer steps than a warm-up.
+(after it, `observe_step`). Every record is kept per model / device / dtype and batch size for the life of the
+process (`record_for`), as the step costs are (`cost.costs_for`): a short call has fewer steps than a warm-up.
 """
 
 from __future__ import annotations
