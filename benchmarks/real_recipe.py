@@ -7,6 +7,7 @@ base on the same self-distilled pairs once per recipe ("arm") and measures, per 
 - held-out perplexity on real text (held-out topics of Python's language reference, not the distilled answers);
 - agreement of the MARS model's greedy (τ = 1) with the base's greedy on held-out openings;
 - verify's tokens per forward (the fixed draft tree, or the chain where the cache allows no tree) on the same openings, and that verify equals its own greedy;
+- threshold mode's tokens per forward at each ``--thresholds`` τ, with the share of its tokens equal to the model's own greedy;
 - the training's seconds per step.
 
 Arms are ``KIND:LR`` with KIND ``full`` or ``loraR`` (LoRA of rank R on every linear layer, merged afterwards).
@@ -41,9 +42,13 @@ def main(argv=None) -> int:
     parser.add_argument("--num-eval", type=int, default=12)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--block-size", type=int, default=4)
+    parser.add_argument("--thresholds", nargs="*", type=float, default=[0.95, 0.9],
+                        help="threshold mode's tau values to measure per arm (none: verify only)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="runs/real_recipe.json")
+    parser.add_argument("--save-dir", default=None,
+                        help="also save each arm's checkpoint (save_for_hub) under this folder, for hf-mars bench")
     args = parser.parse_args(argv)
 
     import torch
@@ -83,7 +88,20 @@ def main(argv=None) -> int:
                "train_seconds": round(seconds, 1), "seconds_per_step": round(seconds / args.steps, 2),
                "perplexity": real.perplexity(model, tokenizer, texts),
                "greedy_agreement_with_base": real.agreement(greedy, base_ids),
-               "verify_tokens_per_forward": tpf, "verify_identical_to_greedy": drafted == greedy}
+               "verify_tokens_per_forward": tpf, "verify_identical_to_greedy": drafted == greedy, "threshold": {}}
+        for tau in args.thresholds:
+            ids, tau_tpf = real._greedy_ids(model, tokenizer, prompts, args.max_new_tokens, mars=True,
+                                            mars_threshold=tau)
+            arm["threshold"][str(tau)] = {"tokens_per_forward": tau_tpf,
+                                          "agreement_with_greedy": real.agreement(ids, greedy)}
+        if args.save_dir:
+            from hf_mars.hub import save_for_hub
+
+            model.generation_config.do_sample = False
+            save_for_hub(model, tokenizer, Path(args.save_dir) / arm["arm"].replace(":", "-"),
+                         mars_block_size=args.block_size, mars_threshold=1.0, model_name=f"{Path(base).name}-mars",
+                         description=f"{Path(base).name} MARS-fine-tuned by benchmarks/real_recipe.py ({arm['arm']}, "
+                                     f"{args.steps} steps)", example_prompt=prompts[0])
         report["arms"].append(arm)
         print(json.dumps(arm), flush=True)
         del model
