@@ -182,10 +182,12 @@ def _give_weights_the_umask_mode(directory: Path) -> None:
 # --------------------------------------------------------------------------- generation defaults
 
 
-def _check_defaults(threshold=None, block_size=None, draft_tree=None) -> None:
-    """The rules hf_mars.generation applies to mars_threshold / mars_block_size / mars_draft_tree (it owns them)."""
+def _check_defaults(threshold=None, block_size=None, draft_tree=None, draft_vocab=None) -> None:
+    """The rules hf_mars.generation applies to mars_threshold / mars_block_size / mars_draft_tree /
+    mars_draft_vocab (it owns them)."""
     from hf_mars.generation import check_block_size, check_threshold
     from hf_mars.generation.config import parse_draft_tree
+    from hf_mars.generation.draft_vocab import parse_draft_vocab
 
     if threshold is not None:
         check_threshold(threshold)
@@ -193,12 +195,14 @@ def _check_defaults(threshold=None, block_size=None, draft_tree=None) -> None:
         check_block_size(block_size)
     if draft_tree is not None:
         parse_draft_tree(draft_tree)
+    parse_draft_vocab(draft_vocab)
 
 
 def write_generation_defaults(save_directory, mars: dict, model=None, config_dict=None,
-                              threshold=None, block_size=None, draft_tree=None) -> tuple[float, int]:
+                              threshold=None, block_size=None, draft_tree=None, draft_vocab=None) -> tuple[float, int]:
     """Add ``mars_threshold`` / ``mars_block_size`` (and, when given, verify mode's ``mars_draft_tree``, e.g. a
-    shape measured with ``hf-mars bench --draft-trees``) to the folder's generation config, keeping everything else.
+    shape measured with ``hf-mars bench --draft-trees``, and ``mars_draft_vocab``, the token ids its mask columns
+    draft from) to the folder's generation config, keeping everything else.
 
     Precedence: explicit argument > value already in the generation config > ``config.mars`` > default.
     """
@@ -226,6 +230,10 @@ def write_generation_defaults(save_directory, mars: dict, model=None, config_dic
         from hf_mars.generation.config import parse_draft_tree
 
         gen_config.mars_draft_tree = parse_draft_tree(draft_tree, block_size)  # (B masks with the last one)
+    if draft_vocab is not None:
+        from hf_mars.generation.draft_vocab import parse_draft_vocab
+
+        gen_config.mars_draft_vocab = list(parse_draft_vocab(draft_vocab))  # (a JSON list; verify calls use it)
     # a config flagged as derived from the model config drops unknown attributes (the MARS defaults) on load
     from hf_mars._compat import keep_generation_extras
 
@@ -236,6 +244,8 @@ def write_generation_defaults(save_directory, mars: dict, model=None, config_dic
         model.generation_config.mars_block_size = block_size
         if draft_tree is not None:
             model.generation_config.mars_draft_tree = gen_config.mars_draft_tree
+        if draft_vocab is not None:
+            model.generation_config.mars_draft_vocab = gen_config.mars_draft_vocab
     return float(threshold), block_size
 
 
@@ -249,12 +259,12 @@ def write_mars_extras(save_directory, model=None, tokenizer=None, training_args=
     config and tokenizer). Writes generation_config.json MARS defaults, custom_generate/ and
     README.md, and gives 0600 ``*.safetensors`` files the mode the umask gives the others.
     ``card_fields`` go to the model card (see ``CARD_FIELDS``); ``mars_threshold`` /
-    ``mars_block_size`` / ``mars_draft_tree`` set the generation defaults.
+    ``mars_block_size`` / ``mars_draft_tree`` / ``mars_draft_vocab`` set the generation defaults.
     """
     directory = Path(save_directory)
     check_card_fields(card_fields)
     _check_defaults(card_fields.get("mars_threshold"), card_fields.get("mars_block_size"),
-                    card_fields.get("mars_draft_tree"))
+                    card_fields.get("mars_draft_tree"), card_fields.get("mars_draft_vocab"))
     if not directory.is_dir():
         raise ValueError(f"{directory} does not exist; save the model there first (save_pretrained).")
     if (directory / "config.json").is_file():
@@ -280,7 +290,7 @@ def write_mars_extras(save_directory, model=None, tokenizer=None, training_args=
     threshold, block_size = write_generation_defaults(
         directory, mars, model=model, config_dict=config_dict,
         threshold=card_fields.pop("mars_threshold", None), block_size=card_fields.pop("mars_block_size", None),
-        draft_tree=card_fields.pop("mars_draft_tree", None))
+        draft_tree=card_fields.pop("mars_draft_tree", None), draft_vocab=card_fields.pop("mars_draft_vocab", None))
     write_custom_generate(directory)
     card = build_model_card(directory, mars, config_dict, threshold, block_size, model=model, tokenizer=tokenizer,
                             training_args=training_args, **card_fields)
@@ -294,8 +304,9 @@ def save_for_hub(model, tokenizer, save_directory, training_args=None, force: bo
 
     ``card_fields``: model_name, repo_id, base_model, datasets, license, language, tags,
     description, benchmark (report dict or report.json path), example_prompt,
-    mars_threshold, mars_block_size.
+    mars_threshold, mars_block_size, mars_draft_tree, mars_draft_vocab.
     """
+    from hf_mars.generation.draft_vocab import check_fits, parse_draft_vocab
     from hf_mars.training.tokens import get_mars_metadata
 
     mars = get_mars_metadata(model.config)
@@ -314,7 +325,9 @@ def save_for_hub(model, tokenizer, save_directory, training_args=None, force: bo
         raise ValueError("The mask token id is outside the model's embedding matrix; call `add_mask_token` again.")
     check_card_fields(card_fields)
     _check_defaults(card_fields.get("mars_threshold"), card_fields.get("mars_block_size"),
-                    card_fields.get("mars_draft_tree"))
+                    card_fields.get("mars_draft_tree"), card_fields.get("mars_draft_vocab"))
+    if card_fields.get("mars_draft_vocab") is not None:
+        check_fits(parse_draft_vocab(card_fields["mars_draft_vocab"]), model.get_output_embeddings().weight.shape[0])
     if card_fields.get("benchmark") is not None:
         benchmark_table(card_fields["benchmark"])  # a malformed report fails before anything is written
     if card_fields.get("repo_id") is not None:

@@ -17,6 +17,7 @@ REPO_ID_PLACEHOLDER = "path/to/this/checkpoint"  # push_to_hub writes the repo i
 CARD_FIELDS = (
     "model_name", "repo_id", "base_model", "datasets", "license", "language", "tags", "description",
     "benchmark", "example_prompt", "mars_threshold", "mars_block_size", "mars_draft_tree",
+    "mars_draft_vocab",
 )
 _TRAINING_KEYS = [
     ("learning_rate", "learning rate"),

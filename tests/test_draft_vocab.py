@@ -104,3 +104,23 @@ def test_a_saved_draft_vocabulary_serves_verify_and_stays_out_of_threshold_mode(
 def test_rank_tokens_orders_by_frequency_then_id():
     assert rank_tokens([[3, 1, 3], [2, 1, 3]]) == [3, 1, 2]
     assert rank_tokens([[3, 1, 3], [2, 1, 3]], size=2) == [3, 1]
+
+
+def test_auto_keeps_a_record_of_its_own_for_calls_with_a_draft_vocabulary(peaky):
+    """A draft vocabulary makes verify's wide step cheaper, so which layout is fastest differs: 'auto' times those
+    calls into a record (and 'cost' into step costs) of their own, not the full-vocabulary calls' (and back)."""
+    from hf_mars.generation import policy
+    from hf_mars.generation.cost import costs_for
+
+    model, tok = peaky
+    enc = tok(PROMPTS[:1], return_tensors="pt")
+    vocab = parse_draft_vocab([5, 6, 7])
+    plain, with_vocab = policy.record_for(model, 1, "call"), policy.record_for(model, 1, "call", vocab)
+    assert plain is not with_vocab
+    _greedy(model, enc, mars=True, mars_verify=True, mars_draft_vocab=list(vocab))
+    assert sum(with_vocab.calls.values()) == 1 and sum(plain.calls.values()) == 0
+    _greedy(model, enc, mars=True, mars_verify=True)
+    assert sum(with_vocab.calls.values()) == 1 and sum(plain.calls.values()) == 1
+    assert costs_for(model, "tree", vocab) is not costs_for(model, "tree")
+    _greedy(model, enc, mars=True, mars_verify=True, mars_draft_tree="cost", mars_draft_vocab=list(vocab))
+    assert costs_for(model, "tree", vocab).widths(1) and not costs_for(model, "tree").widths(1)

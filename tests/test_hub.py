@@ -216,6 +216,14 @@ def test_model_card_training_args_and_existing_metadata(saved, tmp_path):
     opts = MARSGenerationConfig.resolve(None, GenerationConfig.from_pretrained(ckpt), mars_verify=True)
     assert opts.draft_tree == "2,1" and "draft_tree" not in opts._from_call  # a saved default, not the call's
 
+    # so is a draft vocabulary: verify calls read it, threshold-mode calls leave it (it would change their output)
+    hub.write_mars_extras(ckpt, mars_draft_vocab=[7, 5, 7, 9])
+    assert json.loads((ckpt / "generation_config.json").read_text())["mars_draft_vocab"] == [7, 5, 9]
+    saved_config = GenerationConfig.from_pretrained(ckpt)
+    assert MARSGenerationConfig.resolve(None, saved_config, mars_verify=True).draft_vocab == (7, 5, 9)
+    assert MARSGenerationConfig.resolve(None, saved_config, mars_threshold=0.9).draft_vocab is None  # (and the
+    # saved tree, which uses the last mask, one deeper than a threshold call has, does not refuse that call)
+
 
 def test_card_field_errors(saved, tmp_path):
     model, tok, _ = saved
@@ -231,7 +239,11 @@ def test_card_field_errors(saved, tmp_path):
         save_for_hub(model, tok, tmp_path / "v", repo_id="no-namespace")
     with pytest.raises(ValueError, match="mars_draft_tree must be"):
         save_for_hub(model, tok, tmp_path / "u", mars_draft_tree="0,2")
-    assert not any((tmp_path / d).exists() for d in "xyzwvu")  # nothing written for bad input
+    with pytest.raises(ValueError, match="mars_draft_vocab must be a non-empty list"):
+        save_for_hub(model, tok, tmp_path / "t", mars_draft_vocab=[])
+    with pytest.raises(ValueError, match="outside this model's"):
+        save_for_hub(model, tok, tmp_path / "s", mars_draft_vocab=[1, 10 ** 7])
+    assert not any((tmp_path / d).exists() for d in "xyzwvuts")  # nothing written for bad input
 
 
 # --------------------------------------------------------------------------- not a MARS checkpoint

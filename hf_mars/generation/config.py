@@ -134,7 +134,10 @@ class MARSGenerationConfig:
         for name in BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"mars_{name} must be True or False, got {getattr(self, name)!r}.")
-        self.draft_tree = parse_draft_tree(self.draft_tree, self.block_size + self.use_last_mask - 1)
+        # (a tree's depth is checked for verify calls only: threshold mode drafts no tree, and a checkpoint's saved
+        # verify tree may use the last mask, one deeper than a threshold call's masks)
+        self.draft_tree = parse_draft_tree(self.draft_tree, self.block_size + self.use_last_mask - 1 if self.verify
+                                           else None)
         self.draft_vocab = parse_draft_vocab(self.draft_vocab)
         if self.verify and self.cache != "sliding":
             raise ValueError(

@@ -116,9 +116,11 @@ def per_model(registry: dict, key: tuple, model, make):
     return entry
 
 
-def costs_for(model, loop: str = "tree") -> StepCosts:
+def costs_for(model, loop: str = "tree", draft_vocab: tuple | None = None) -> StepCosts:
     """The process's table for this model / device / dtype and decoding loop (a tree step and a threshold step
-    of one width do different host work; made on first use, seeded from $HF_MARS_STEP_COSTS)."""
+    of one width do different host work; made on first use, seeded from $HF_MARS_STEP_COSTS). A draft vocabulary
+    (``mars_draft_vocab``) makes the mask columns cheap, so its steps have a table of their own (not seeded: the
+    bench's costs are full-vocabulary forwards)."""
 
     def make():
         table = StepCosts()
@@ -126,7 +128,8 @@ def costs_for(model, loop: str = "tree") -> StepCosts:
         return seed_from_bench(table, path) if path else table
 
     with _TABLES_LOCK:
-        return per_model(_TABLES, model_key(model) + (loop,), model, make)
+        return per_model(_TABLES, model_key(model) + (loop, draft_vocab), model,
+                         make if draft_vocab is None else StepCosts)
 
 
 def forget_all() -> None:

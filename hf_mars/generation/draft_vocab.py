@@ -40,6 +40,12 @@ def parse_draft_vocab(value):
     return ids
 
 
+def check_fits(ids: tuple, rows: int) -> None:
+    """Every id a row of the model's LM head (``rows`` of them)."""
+    if max(ids) >= rows:
+        raise ValueError(f"mars_draft_vocab holds token id {max(ids)}, outside this model's {rows} LM-head rows.")
+
+
 def rank_tokens(token_lists, size: int | None = None) -> list[int]:
     """Token ids by frequency in ``token_lists`` (most frequent first; ties by id), the first ``size`` of them: a
     draft vocabulary built from text like the model's own output (its greedy continuations, say)."""
@@ -64,9 +70,7 @@ class DraftVocabulary:
         self.attribute = _head_attribute(model)
         self.head = getattr(model, self.attribute)
         weight = self.head.weight
-        if max(ids) >= weight.shape[0]:
-            raise ValueError(f"mars_draft_vocab holds token id {max(ids)}, outside this model's {weight.shape[0]} "
-                             "LM-head rows.")
+        check_fits(ids, weight.shape[0])
         keep = [t for t in ids if t != mask_id]  # the mask is never a draft
         self.ids = torch.tensor(keep, dtype=torch.long, device=weight.device)
         self.weight = weight.detach()[self.ids].contiguous()

@@ -93,7 +93,7 @@ def measured_step(dec) -> str | None:
     active = [r for r in range(dec.batch) if rows.unfinished[r]]
     drafted = [r for r in active if rows.drafts[r]]
     emitted = [len(tokens) for tokens in rows.tokens]
-    record = record_for(dec.model, len(active), "engine")
+    record = record_for(dec.model, len(active), "engine", dec.opts.draft_vocab)
     layout = record.choose()
     dec.drafting_as(layout)
     started = time.perf_counter()

@@ -376,17 +376,18 @@ def threshold_call_done(dec, record, layout: str) -> None:
 _RECORDS: dict = {}
 
 
-def record_for(model, rows: int, loop: str = "tree"):
+def record_for(model, rows: int, loop: str = "tree", draft_vocab: tuple | None = None):
     """The process's `DraftRecord` ("tree"), `ThresholdRecord` ("chunk"), 'auto''s `CallRecord` ("call", "call-chain"),
     `ThresholdCallRecord` ("threshold-call") or `MARSEngine`'s ("engine") for this model / device / dtype and batch
-    size, shared by successive calls."""
+    size, shared by successive calls. Calls with a draft vocabulary (``mars_draft_vocab``) keep their own: it makes
+    a wide step cheaper, so what pays differs."""
     from .cost import model_key, per_model
 
     make = {"tree": DraftRecord, "chunk": ThresholdRecord, "call": CallRecord,
             "engine": lambda: CallRecord(ENGINE_LAYOUTS, warm_calls=ENGINE_WARM_STEPS),
             "call-chain": lambda: CallRecord(CALL_LAYOUTS[1:]),  # (no tree: the chain or plain)
             "threshold-call": ThresholdCallRecord}[loop]
-    return per_model(_RECORDS, (model_key(model), int(rows), loop), model, make)
+    return per_model(_RECORDS, (model_key(model), int(rows), loop, draft_vocab), model, make)
 
 
 def _best_fits(opts) -> tuple:

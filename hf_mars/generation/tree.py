@@ -179,8 +179,10 @@ class TreeDecoder(MARSDecoder):
             self.propose_shape = self.tree_shape  # top-k kept per depth for the next step's candidates
             if self.opts.draft_tree == "cost":  # each decode step's layout per row, by measured cost
                 layouts = menu(self.shape.max_drafts, GROUP_MIN_SHARE)
-                self.policy = DraftPolicy(costs_for(self.model), layouts, choices_for(self.model, self.batch),
-                                          record_for(self.model, self.batch))
+                vocab = self.opts.draft_vocab  # (its steps have their own costs and record)
+                self.policy = DraftPolicy(costs_for(self.model, "tree", vocab), layouts,
+                                          choices_for(self.model, self.batch),
+                                          record_for(self.model, self.batch, "tree", vocab))
                 self.propose_shape = propose_shape(layouts)
         elif asked and not self.do_sample:
             raise ValueError(f"mars_draft_tree={self.opts.draft_tree!r} cannot be used with {reason}. Leave "
@@ -207,7 +209,7 @@ class TreeDecoder(MARSDecoder):
         layout = record = None
         loop = self.auto_record(synced)
         if loop is not None:
-            record = record_for(self.model, self.batch, loop)
+            record = record_for(self.model, self.batch, loop, self.opts.draft_vocab)
             layout = record.choose()
             history = choices_for(self.model, self.batch, "call")
             history[layout] = history.get(layout, 0) + 1

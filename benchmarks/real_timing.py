@@ -1,0 +1,79 @@
+"""Time a saved real-model MARS checkpoint the way `hf-mars demo --base` times the one it trains.
+
+`benchmarks/real_recipe.py --save-dir` keeps checkpoints trained longer than the demo's 80 steps; this script
+measures one of them with the demo's own decoding and timing code (`hf_mars.demo.real`), so the figures compare
+with the demo's table: tokens per forward and agreement with greedy per mode on the held-out openings, then
+seconds against plain `generate` in float32 at batch 1 and 4 and in bfloat16 at batch 1 (one interleaved pass per
+repeat), verify as the chain with and without the draft vocabulary, and the step-cost curve split into body and LM
+head.
+
+The draft vocabulary is the demo's: the most frequent tokens of the distilled answers the checkpoint was trained
+on, rebuilt here from the base with the same ``--steps`` / ``--batch-size`` / ``--seed`` (distillation is greedy,
+so these are the same answers).
+
+    python benchmarks/real_timing.py --model runs/recipe160/full-5e-05 --steps 160 --output runs/real_timing_160.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="the MARS checkpoint folder (save_for_hub)")
+    parser.add_argument("--base", default="gemma3-270m", help="the base it was trained from (for the draft vocabulary)")
+    parser.add_argument("--steps", type=int, required=True, help="the MARS steps it was trained for")
+    parser.add_argument("--batch-size", type=int, default=8, help="the batch it was trained with")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-eval", type=int, default=12)
+    parser.add_argument("--timing-prompts", type=int, default=6)
+    parser.add_argument("--timing-repeats", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--output", default="runs/real_timing.json")
+    args = parser.parse_args(argv)
+
+    import torch
+    from transformers import set_seed
+    from transformers.utils import logging as hf_logging
+
+    from hf_mars.demo import real
+    from hf_mars.demo.pipeline import _base_folder
+    from hf_mars.generation import DEFAULT_VERIFY_THRESHOLD, enable_mars
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    hf_logging.set_verbosity_error()
+    args.dataset, args.verify_threshold = None, DEFAULT_VERIFY_THRESHOLD
+    t0 = time.time()
+    set_seed(args.seed)
+    base_model, base_tokenizer = real._load(_base_folder(args.base))
+    data = real._data(base_model, base_tokenizer, args)
+    del base_model
+    vocab, prompts = data["draft_vocab"], data["held_prompts"]
+    print(f"draft vocabulary: {len(vocab)} tokens from {len(data['train'])} pairs in {time.time() - t0:.0f}s", flush=True)
+
+    model, tokenizer = real._load(args.model)
+    enable_mars(model)
+    args.block_size = model.generation_config.mars_block_size
+    report = {"model": args.model, "threads": torch.get_num_threads(), "draft_vocab_size": len(vocab),
+              "decoding": real._decoding(model, tokenizer, prompts, args, vocab)}
+    print(json.dumps(report["decoding"]), flush=True)
+    report["step_costs"] = real.step_costs(model)
+    report["timing"] = real._timing(model, tokenizer, prompts[:args.timing_prompts], args, vocab)
+    report["timing_prompts"], report["timing_repeats"] = args.timing_prompts, args.timing_repeats
+    for setting, seconds in report["timing"].items():
+        plain = seconds["ar"]
+        print(setting, {mode: f"{s:.1f}s ({plain / s:.2f}x)" for mode, s in seconds.items()}, flush=True)
+    report["seconds"] = round(time.time() - t0, 1)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
