@@ -210,6 +210,8 @@ def build_model_card(directory, mars: dict, config_dict: dict, threshold: float,
     state_file = directory / "trainer_state.json"
     trainer_state = json.loads(state_file.read_text(encoding="utf-8")) if state_file.is_file() else None
     benchmark = card_fields.get("benchmark")
+    gen_file = directory / "generation_config.json"  # (verify mode's saved draft defaults, when any)
+    generation = json.loads(gen_file.read_text(encoding="utf-8")) if gen_file.is_file() else {}
     card = ModelCard.from_template(
         card_data,
         template_path=str(template_path()),
@@ -223,6 +225,8 @@ def build_model_card(directory, mars: dict, config_dict: dict, threshold: float,
               "mask_token": mars.get("mask_token"), "mask_token_id": mars.get("mask_token_id")},
         threshold=_fmt(threshold),
         decode_block_size=block_size,
+        draft_tree=generation.get("mars_draft_tree"),
+        draft_vocab_size=len(generation.get("mars_draft_vocab") or ()),
         chat=_has_chat_template(directory, tokenizer),
         # a Python string literal (quotes, newlines escaped) for the usage snippets
         example_prompt=json.dumps(card_fields.get("example_prompt") or "What is 12 * 7?", ensure_ascii=False),

@@ -219,6 +219,9 @@ def test_model_card_training_args_and_existing_metadata(saved, tmp_path):
     # so is a draft vocabulary: verify calls read it, threshold-mode calls leave it (it would change their output)
     hub.write_mars_extras(ckpt, mars_draft_vocab=[7, 5, 7, 9])
     assert json.loads((ckpt / "generation_config.json").read_text())["mars_draft_vocab"] == [7, 5, 9]
+    card_text = (ckpt / "README.md").read_text()
+    assert "| verify mode's draft vocabulary (`mars_draft_vocab`) | 3 token ids" in card_text
+    assert "| verify mode's draft layout (`mars_draft_tree`) | `2,1` |" in card_text
     saved_config = GenerationConfig.from_pretrained(ckpt)
     assert MARSGenerationConfig.resolve(None, saved_config, mars_verify=True).draft_vocab == (7, 5, 9)
     assert MARSGenerationConfig.resolve(None, saved_config, mars_threshold=0.9).draft_vocab is None  # (and the

@@ -72,6 +72,10 @@ def test_demo_on_a_base_without_chat_template_runs_the_real_text_pipeline(plain_
     config = json.loads((out / "mars-checkpoint" / "config.json").read_text())
     assert config["mars"]["mask_token_id"] is not None and (out / "pareto.png").is_file()
     assert "perplexity" in (out / "mars-checkpoint" / "README.md").read_text()
+    # the draft vocabulary goes with the checkpoint as verify's default exactly where this run measured it fastest
+    saved = json.loads((out / "mars-checkpoint" / "generation_config.json").read_text()).get("mars_draft_vocab")
+    assert (saved is not None) == report["verify"]["mode"].endswith("+vocab")
+    assert saved is None or len(saved) == report["draft_vocab"]["size"]
 
 
 def test_demo_lora_rank_trains_adapters_and_writes_one_plain_checkpoint(plain_base, tmp_path):

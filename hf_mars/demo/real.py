@@ -75,7 +75,7 @@ def run(args, base: Path, out: Path) -> int:
     costs = step_costs(mars_model)
     report = _report(args, base, quality, decoding, timing, data, costs, mars_s, sft_s)
     _log("5/5 writing outputs")
-    ckpt = _write(report, out, mars_model, tokenizer, data["held_prompts"][0])
+    ckpt = _write(report, out, mars_model, tokenizer, data["held_prompts"][0], data["draft_vocab"])
     report["wall_seconds"] = round(time.time() - t_start, 1)
     report["outputs"] = {"plot": str(out / "pareto.png"), "checkpoint": str(ckpt)}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -412,7 +412,9 @@ def summary(report) -> str:
     return "\n".join(lines)
 
 
-def _write(report, out: Path, mars_model, tokenizer, example_prompt: str) -> Path:
+def _write(report, out: Path, mars_model, tokenizer, example_prompt: str, draft_vocab) -> Path:
+    """The plot and the checkpoint; the draft vocabulary goes with the checkpoint as verify mode's default where
+    this run measured verify fastest with it (a measured choice, as a saved draft tree is)."""
     import shutil
 
     from hf_mars.hub import save_for_hub
@@ -424,7 +426,8 @@ def _write(report, out: Path, mars_model, tokenizer, example_prompt: str) -> Pat
     mars_model.generation_config.do_sample = False
     save_for_hub(mars_model, tokenizer, ckpt, benchmark=report, mars_block_size=report["block_size"],
                  mars_threshold=1.0, model_name=f"{Path(str(report['command'].split()[3])).name}-mars",
-                 description=report["description"], example_prompt=example_prompt)
+                 description=report["description"], example_prompt=example_prompt,
+                 mars_draft_vocab=draft_vocab if report["verify"]["mode"].endswith("+vocab") else None)
     return ckpt
 
 
