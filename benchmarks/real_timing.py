@@ -12,6 +12,10 @@ on, rebuilt here from the base with the same ``--steps`` / ``--batch-size`` / ``
 so these are the same answers).
 
     python benchmarks/real_timing.py --model runs/recipe160/full-5e-05 --steps 160 --output runs/real_timing_160.json
+
+``--write-vocab`` also saves that vocabulary with the checkpoint as verify mode's default (``mars_draft_vocab`` in
+its generation config, `hf_mars.hub.write_generation_defaults`), so `hf-mars bench` and `hf-mars serve` decode with it;
+``--no-measure`` stops there.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--output", default="runs/real_timing.json")
+    parser.add_argument("--write-vocab", action="store_true",
+                        help="save the draft vocabulary with the checkpoint as verify mode's default")
+    parser.add_argument("--no-measure", action="store_true", help="only build (and with --write-vocab, save) it")
     args = parser.parse_args(argv)
 
     import torch
@@ -56,11 +63,14 @@ def main(argv=None) -> int:
     del base_model
     vocab, prompts = data["draft_vocab"], data["held_prompts"]
     print(f"draft vocabulary: {len(vocab)} tokens from {len(data['train'])} pairs in {time.time() - t0:.0f}s", flush=True)
+    if args.no_measure:
+        return _write_vocab(args, vocab)
 
     model, tokenizer = real._load(args.model)
     enable_mars(model)
+    model.generation_config.mars_draft_vocab = None  # (one saved earlier would serve the rows measured without it)
     args.block_size = model.generation_config.mars_block_size
-    report = {"model": args.model, "threads": torch.get_num_threads(), "draft_vocab_size": len(vocab),
+    report = {"model": args.model, "threads": torch.get_num_threads(), "draft_vocab": vocab,
               "decoding": real._decoding(model, tokenizer, prompts, args, vocab)}
     print(json.dumps(report["decoding"]), flush=True)
     report["step_costs"] = real.step_costs(model)
@@ -72,6 +82,18 @@ def main(argv=None) -> int:
     report["seconds"] = round(time.time() - t0, 1)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+    return _write_vocab(args, vocab)
+
+
+def _write_vocab(args, vocab) -> int:
+    """``--write-vocab``: the vocabulary into the checkpoint's generation config (its card keeps what its save
+    wrote)."""
+    if args.write_vocab:
+        from hf_mars.hub import write_generation_defaults
+
+        config = json.loads((Path(args.model) / "config.json").read_text())
+        write_generation_defaults(args.model, config["mars"], config_dict=config, draft_vocab=vocab)
+        print(f"saved it as {args.model}'s verify default (generation_config.json mars_draft_vocab)", flush=True)
     return 0
 
 
