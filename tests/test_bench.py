@@ -123,6 +123,18 @@ def test_benchmark_function_defaults_to_bundled_prompts(make_model):
     json.dumps(result, default=_json_default)  # JSON-able
 
 
+def test_a_saved_draft_vocabulary_is_reported(make_model):
+    """A checkpoint that saved a draft vocabulary decodes its verify rows with it: the report and the table say so."""
+    model, tok = make_model(seed=1, hidden_size=32)
+    model.generation_config.mars_draft_vocab = list(range(5, 25))
+    result = bench.benchmark_generation(model, tok, thresholds=[], batch_sizes=[1], caches=["sliding"],
+                                        verify_thresholds=[0.0], max_new_tokens=6, num_prompts=1, repeats=1,
+                                        warmup=0, cost_repeats=1, progress=False, peers=(), draft_trees=("chain",))
+    assert result["model"]["draft_vocab_size"] == 20
+    assert all(r["matches_ar"] == 1.0 for r in result["rows"] if r["mode"] == "verify")
+    assert "saved draft vocabulary (20 tokens" in bench.format_table(result)
+
+
 def test_count_emitted_excludes_padding_after_eos():
     new = torch.tensor([[5, 2, 0, 0], [5, 6, 7, 8], [3, 9, 3, 0], [2, 2, 2, 2]])
     assert bench.count_emitted(new, [2]).tolist() == [2, 4, 4, 1]

@@ -124,3 +124,28 @@ def test_auto_keeps_a_record_of_its_own_for_calls_with_a_draft_vocabulary(peaky)
     assert costs_for(model, "tree", vocab) is not costs_for(model, "tree")
     _greedy(model, enc, mars=True, mars_verify=True, mars_draft_tree="cost", mars_draft_vocab=list(vocab))
     assert costs_for(model, "tree", vocab).widths(1) and not costs_for(model, "tree").widths(1)
+
+
+@pytest.mark.timeout(600)
+def test_compiled_steps_refuse_an_asked_draft_vocabulary_and_pass_over_a_saved_one(peaky):
+    """The draft vocabulary runs eager decode steps. Asked for beside compiled steps (a static cache with a compile
+    config), it is refused; saved with the checkpoint, it gives way to the compiled steps the call asked for."""
+    from transformers import CompileConfig
+
+    from hf_mars import _compat as lib_compat
+    from hf_mars.generation import STATIC_CACHE_SUPPORTED
+
+    if not STATIC_CACHE_SUPPORTED:
+        pytest.skip("static cache layers roll back from transformers 5.24 on")
+    model, tok = peaky
+    enc = tok(PROMPTS[:1], return_tensors="pt")
+    compiled = dict(mars=True, mars_verify=True, cache_implementation="static",
+                    compile_config=lib_compat.compile_on_any_device(CompileConfig(backend="eager")))
+    with pytest.raises(ValueError, match="runs eager decode steps"):
+        _greedy(model, enc, mars_draft_vocab=[5, 6, 7], **compiled)
+    model.generation_config.mars_draft_vocab = [5, 6, 7]
+    try:
+        assert torch.equal(_greedy(model, enc, **compiled), _greedy(model, enc, mars=False))
+        assert "_mars_compiled_call" in model.__dict__, "the steps were compiled"
+    finally:
+        torch._dynamo.reset()

@@ -109,6 +109,8 @@ def _model_size(model) -> dict:
         "num_hidden_layers": getattr(cfg, "num_hidden_layers", None),
         "vocab_size": getattr(cfg, "vocab_size", None),
         "dtype": str(next(model.parameters()).dtype),
+        # verify rows decode with the checkpoint's saved draft vocabulary, when it has one (mars_draft_vocab)
+        "draft_vocab_size": len(getattr(model.generation_config, "mars_draft_vocab", None) or ()) or None,
     }
 
 

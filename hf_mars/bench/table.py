@@ -58,6 +58,9 @@ def format_table(result: dict) -> str:
     md = result["model"]
     out.append(f"model: {md['class']}, {md['parameters'] / 1e6:.2f}M parameters, hidden {md['hidden_size']}, "
                f"{md['num_hidden_layers']} layers, {md['dtype']}; B={bsz}, max_new_tokens={result['settings']['max_new_tokens']}")
+    if md.get("draft_vocab_size"):
+        out.append(f"verify rows draft from the checkpoint's saved draft vocabulary ({md['draft_vocab_size']} tokens, "
+                   "mars_draft_vocab)")
     if result.get("short_answers"):
         from hf_mars.bench.short_answers import format_short_answers
 

@@ -51,11 +51,14 @@ class ModelCalls:
             if self.read is not None:  # the rows' taus when no row has its own (a tensor: one graph for any value)
                 self.tau_all = torch.full((batch, 1), opts.threshold, dtype=torch.float32, device=device)
         self.draft_vocab = None
-        if opts.draft_vocab is not None:  # (verify mode only: config.py refuses it elsewhere)
-            if self.decode is not self.eager:
+        vocab = opts.draft_vocab  # (verify mode only: config.py refuses it elsewhere)
+        if vocab is not None and self.decode is not self.eager:
+            if "draft_vocab" in opts._from_call:
                 raise ValueError("mars_draft_vocab runs eager decode steps; this call compiles them (a static cache "
                                  "with a compile config). Drop one of the two.")
-            self.draft_vocab = DraftVocabulary(model, opts.draft_vocab, mask_token_id)
+            vocab = None  # a checkpoint's saved default gives way to the compiled steps this call asked for
+        if vocab is not None:
+            self.draft_vocab = DraftVocabulary(model, vocab, mask_token_id)
             self.eager = self.decode = self.draft_vocab.wrap(model.__call__)
         self.cache_key = cache_key(model_kwargs)
         self.extra_kwargs = {k: v for k, v in model_kwargs.items() if k not in LOOP_KWARGS}
