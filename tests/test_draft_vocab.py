@@ -52,8 +52,8 @@ def test_mask_columns_see_only_the_draft_vocabulary(peaky):
     with torch.no_grad():
         plain = model(input_ids=input_ids).logits
         vocab = DraftVocabulary(model, (5, 9, 11, mask_id), mask_id)
-        with vocab.installed(model):
-            split = vocab.wrap(model.__call__)(input_ids=input_ids, logits_to_keep=0).logits
+        split = vocab.wrap(model.__call__, model)(input_ids=input_ids, logits_to_keep=0).logits
+    assert model.get_output_embeddings() is vocab.head  # (the split head is in place for the forward only)
     real, masks = slice(0, ids.shape[1]), slice(ids.shape[1], None)
     torch.testing.assert_close(split[:, real], plain[:, real])
     listed = torch.tensor([5, 9, 11])
@@ -149,3 +149,36 @@ def test_compiled_steps_refuse_an_asked_draft_vocabulary_and_pass_over_a_saved_o
         assert "_mars_compiled_call" in model.__dict__, "the steps were compiled"
     finally:
         torch._dynamo.reset()
+
+
+def test_a_served_batch_drafts_from_the_saved_vocabulary_and_stays_greedy(peaky, monkeypatch):
+    """`MARSEngine` (`hf-mars serve`) steps its decoders one by one: each decode forward runs with the split head,
+    and the rows are still plain greedy."""
+    from transformers import GenerationConfig
+
+    from hf_mars.generation import draft_vocab
+    from hf_mars.generation.engine import MARSEngine
+
+    model, tok = peaky
+    tok.padding_side = "left"
+    head = model.get_output_embeddings()
+    model.generation_config.mars_draft_vocab = rank_tokens(_greedy(model, tok(PROMPTS, return_tensors="pt",
+                                                                           padding=True)).tolist())
+    split_forwards = []
+    forward = draft_vocab._SplitHead.forward
+    monkeypatch.setattr(draft_vocab._SplitHead, "forward", lambda self, h: split_forwards.append(1) or forward(self, h))
+    engine, got, done = MARSEngine(model), {}, set()
+    for prompt in PROMPTS[:2]:
+        ids = tok([prompt], return_tensors="pt").input_ids[0].tolist()
+        gc = GenerationConfig(max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=None)
+        for handle, tokens, finished, _ in engine.add(prompt, ids, gc, 0.3, mars_verify=True):
+            got.setdefault(handle, []).extend(tokens)
+    while len(engine):
+        for handle, tokens, finished, _ in engine.step(0.3):
+            got.setdefault(handle, []).extend(tokens)
+        assert model.get_output_embeddings() is head  # (between steps, the model's own head)
+    assert split_forwards, "the served steps used the draft vocabulary"
+    for prompt in PROMPTS[:2]:
+        enc = tok([prompt], return_tensors="pt")
+        plain = model.generate(**enc, max_new_tokens=12, do_sample=False, eos_token_id=None)
+        assert got[prompt] == plain[0, enc.input_ids.shape[1]:].tolist(), prompt

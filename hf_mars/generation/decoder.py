@@ -309,11 +309,7 @@ class MARSDecoder:
         record, layout = threshold_call(self, synced)
         if layout == "plain":  # plain one-token steps throughout: this call's measured choice (plain_steps)
             self.shape.one_token, self.policy = True, None
-        if self.calls.draft_vocab is not None:
-            with self.calls.draft_vocab.installed(self.model):
-                sequences = self._loop(synced)
-        else:
-            sequences = self._loop(synced)
+        sequences = self._loop(synced)
         if record is not None:
             threshold_call_done(self, record, layout)
         return sequences

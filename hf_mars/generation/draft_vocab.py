@@ -9,7 +9,7 @@ a large vocabulary (Gemma 3: 262,144 rows) is most of a MARS step's extra cost o
 can no longer be drafted (those steps accept fewer tokens); FR-Spec (arXiv 2502.14856) cuts EAGLE's head this way.
 Threshold mode emits mask predictions directly, so there it would change the output: it is refused there.
 
-How: for the length of one generation the model's LM head module is swapped for ``_SplitHead``, which computes the
+How: for each decode forward the model's LM head module is swapped for ``_SplitHead``, which computes the
 full head on real-token columns and K rows on mask columns (the rest -inf), so each architecture's own forward,
 including its logit soft-capping, is untouched. The decoder's forward call sets which kept columns hold masks.
 """
@@ -78,8 +78,10 @@ class DraftVocabulary:
         self.bias = None if bias is None else bias.detach()[self.ids].contiguous()
         self.mask_id, self.mask_columns = mask_id, None
 
-    def wrap(self, forward):
-        """``forward`` that first records which of the columns it keeps logits for are mask tokens."""
+    def wrap(self, forward, model):
+        """``forward`` that records which of the columns it keeps logits for are mask tokens and runs with the split
+        head in ``model`` (only for the forward: a decoder that `MARSEngine` steps, or code between two steps, sees
+        the model's own head)."""
         def call(*args, input_ids=None, logits_to_keep=0, **kwargs):
             if input_ids is not None:
                 is_mask = input_ids == self.mask_id
@@ -90,7 +92,8 @@ class DraftVocabulary:
                 self.mask_columns = is_mask
             if "logits_to_keep" in kwargs or logits_to_keep != 0:
                 kwargs["logits_to_keep"] = logits_to_keep
-            return forward(*args, input_ids=input_ids, **kwargs)
+            with self.installed(model):
+                return forward(*args, input_ids=input_ids, **kwargs)
         return call
 
     @contextlib.contextmanager

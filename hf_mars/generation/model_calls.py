@@ -59,7 +59,7 @@ class ModelCalls:
             vocab = None  # a checkpoint's saved default gives way to the compiled steps this call asked for
         if vocab is not None:
             self.draft_vocab = DraftVocabulary(model, vocab, mask_token_id)
-            self.eager = self.decode = self.draft_vocab.wrap(model.__call__)
+            self.eager = self.decode = self.draft_vocab.wrap(model.__call__, model)
         self.cache_key = cache_key(model_kwargs)
         self.extra_kwargs = {k: v for k, v in model_kwargs.items() if k not in LOOP_KWARGS}
         self.logits_to_keep = takes_logits_to_keep(model)
