@@ -77,6 +77,7 @@ class DraftVocabulary:
         bias = getattr(self.head, "bias", None)
         self.bias = None if bias is None else bias.detach()[self.ids].contiguous()
         self.mask_id, self.mask_columns = mask_id, None
+        self.split = _SplitHead(self)  # (built once: it goes in and out of the model every decode forward)
 
     def wrap(self, forward, model):
         """``forward`` that records which of the columns it keeps logits for are mask tokens and runs with the split
@@ -92,15 +93,18 @@ class DraftVocabulary:
                 self.mask_columns = is_mask
             if "logits_to_keep" in kwargs or logits_to_keep != 0:
                 kwargs["logits_to_keep"] = logits_to_keep
-            with self.installed(model):
+            swap_child(model, self.attribute, self.split)  # (a plain try, not `installed`: once per decode step)
+            try:
                 return forward(*args, input_ids=input_ids, **kwargs)
+            finally:
+                swap_child(model, self.attribute, self.head)
         return call
 
     @contextlib.contextmanager
     def installed(self, model):
         """The split head in place of the model's for the length of the block (restored however it ends)."""
         # (the registry entry itself, as nn.Module.__setattr__ ends up writing it)
-        swap_child(model, self.attribute, _SplitHead(self))
+        swap_child(model, self.attribute, self.split)
         try:
             yield
         finally:
