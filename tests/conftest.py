@@ -12,6 +12,28 @@ from hf_mars import add_mask_token
 from hf_mars.testing_utils import build_char_tokenizer, tiny_qwen2
 
 
+@pytest.fixture(autouse=True)
+def _masks_on_every_step(request, monkeypatch):
+    """Threshold mode's default plain-step policy (``mars_plain_steps=True``) drops a step's masks by the timing this
+    process measured, so two tau < 1 runs of one call can differ. The suite compares tau < 1 outputs across paths
+    (batch layouts, caches, engines, clients), so a call that leaves the option unset anywhere runs with the masks on
+    every step, as ``mars_plain_steps=False`` would; tests marked ``plain_step_policy`` see the library's default."""
+    if request.node.get_closest_marker("plain_step_policy"):
+        return
+    from hf_mars.generation.config import MARSGenerationConfig
+
+    resolve = MARSGenerationConfig.resolve.__func__
+
+    def masks_unless_set(cls, model, generation_config=None, base=None, **given):
+        saved = getattr(generation_config, "__dict__", {}).get("mars_plain_steps")
+        if given.get("mars_plain_steps") is None and saved is None and not (
+                base is not None and "plain_steps" in base._explicit):
+            given["mars_plain_steps"] = False
+        return resolve(cls, model, generation_config, base, **given)
+
+    monkeypatch.setattr(MARSGenerationConfig, "resolve", classmethod(masks_unless_set))
+
+
 @pytest.fixture
 def tokenizer():
     return build_char_tokenizer()

@@ -130,8 +130,9 @@ def test_hub_custom_generate_decodes_identically(arch, tok, tmp_path, modules_ca
     folder = save_for_hub(model, tok, tmp_path / "ckpt")
     loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
-    want = _generate(model, enc, mars_threshold=0.5).sequences
-    got = _generate(loaded, enc, mars_threshold=0.5).sequences
+    # the masks on every step (mars_plain_steps=False): the default's plain steps follow each process's timing
+    want = _generate(model, enc, mars_threshold=0.5, mars_plain_steps=False).sequences
+    got = _generate(loaded, enc, mars_threshold=0.5, mars_plain_steps=False).sequences
     assert torch.equal(got, want)
 
 
@@ -163,6 +164,7 @@ def test_static_cache_of_sliding_window_models(arch, tok):
             out = _generate(model, enc, max_new_tokens=40, cache_implementation="static", **kw)
             assert torch.equal(out.sequences, plain), (arch, len(prompts), kw)
         for kw in (dict(mars_threshold=0.5), dict(mars_threshold=0.0, eos_token_id=[])):
+            kw["mars_plain_steps"] = False  # the masks on every step: the default's plain steps follow timing
             dynamic = _generate(model, enc, max_new_tokens=40, **kw)
             static = _generate(model, enc, max_new_tokens=40, cache_implementation="static", **kw)
             assert torch.equal(static.sequences, dynamic.sequences), (arch, len(prompts), kw)

@@ -290,9 +290,11 @@ def test_cost_rows_report_the_layouts_chosen(make_model):
     assert "'cost' chose per step:" in bench.format_table(result)
 
 
+@pytest.mark.plain_step_policy
 def test_plain_steps_rows(make_model):
-    """`--plain-steps`: each tau < 1 on the sliding cache is timed again with mars_plain_steps=True (tau = 1 and the
-    block cache are not); the row records the per-step choices (plain / masks) and the table prints them."""
+    """Threshold mode's rows at tau < 1 on the sliding cache run generate's default plain-step policy and record its
+    choices (plain / masks), which the table prints; `--plain-steps` times each of them again with
+    mars_plain_steps=False, the masks on every step (tau = 1 and the block cache have no policy)."""
     model, tok = make_model(seed=1, hidden_size=32)
     result = bench.benchmark_generation(model, tok, thresholds=[1.0, 0.5], batch_sizes=[2], caches=["sliding", "block"],
                                         verify_thresholds=[], max_new_tokens=12, num_prompts=4, repeats=1,
@@ -300,6 +302,8 @@ def test_plain_steps_rows(make_model):
     mars = [r for r in result["rows"] if r["mode"] == "mars"]
     policy = [r for r in mars if r.get("plain_steps")]
     assert [(r["threshold"], r["cache"]) for r in policy] == [(0.5, "sliding")] and len(mars) == 5
+    masks = [r for r in mars if r.get("plain_steps") is False]
+    assert [(r["threshold"], r["cache"]) for r in masks] == [(0.5, "sliding")] and not masks[0].get("policy_layouts")
     assert policy[0]["policy_layouts"] and set(policy[0]["policy_layouts"]) <= {"plain", "masks"}
     assert sum(policy[0]["policy_layouts"].values()) > 0
     assert "plain_steps chose per step:" in bench.format_table(result)

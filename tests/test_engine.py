@@ -60,18 +60,24 @@ def _collect(events, got, done):
             done.add(handle)
 
 
-@pytest.mark.parametrize("mode", [dict(), dict(mars_verify=True)], ids=["threshold", "verify"])
+# threshold mode with the masks on every step: the default's plain steps follow each run's timing, so a row decoded
+# in the engine and alone would differ wherever the two runs measured differently
+MASKS = dict(mars_plain_steps=False)
+
+
+@pytest.mark.parametrize("mode", [MASKS, dict(mars_verify=True)], ids=["threshold", "verify"])
 def test_rows_joining_between_steps_decode_what_they_decode_alone(peaky, mode):
     model, tok = peaky
+    verify = bool(mode.get("mars_verify"))
     arrivals = [(0, PROMPTS[0], 24, None), (0, PROMPTS[1], 6, None), (2, PROMPTS[2], 16, None),
                 (3, PROMPTS[3], 30, 1.0), (7, PROMPTS[4], 12, None), (8, PROMPTS[5], 3, 0.2)]
     engine = MARSEngine(model)
-    got = _drive(engine, tok, arrivals, default_tau=0.5 if not mode else 0.3, **mode)
+    got = _drive(engine, tok, arrivals, default_tau=0.3 if verify else 0.5, **mode)
     for _, prompt, max_new, tau in arrivals:
-        tau = tau if tau is not None else (0.5 if not mode else 0.3)
+        tau = tau if tau is not None else (0.3 if verify else 0.5)
         expected = _alone(model, tok, prompt, max_new, mars_threshold=tau, **mode)
         assert got[prompt] == expected, prompt
-        if tau >= 1.0 or mode:  # exactly plain greedy
+        if tau >= 1.0 or verify:  # exactly plain greedy
             assert got[prompt] == _alone(model, tok, prompt, max_new)
     assert engine.batch is None and not engine.solo  # everyone left
 
@@ -98,7 +104,8 @@ def test_cancelled_rows_leave_and_the_others_are_unchanged(peaky):
     engine = MARSEngine(model)
     got, done = {}, set()
     for p in PROMPTS[:4]:
-        _collect(engine.add(p, tok([p], return_tensors="pt").input_ids[0].tolist(), _gc(tok, 20), 0.5), got, done)
+        _collect(engine.add(p, tok([p], return_tensors="pt").input_ids[0].tolist(), _gc(tok, 20), 0.5, **MASKS),
+                 got, done)
     step = 0
     while len(engine):
         if step == 2:
@@ -107,7 +114,7 @@ def test_cancelled_rows_leave_and_the_others_are_unchanged(peaky):
         _collect(engine.step(0.5), got, done)
         step += 1
     for p in (PROMPTS[1], PROMPTS[3]):
-        assert got[p] == _alone(model, tok, p, 20, mars_threshold=0.5)
+        assert got[p] == _alone(model, tok, p, 20, mars_threshold=0.5, **MASKS)
     assert engine.batch is None
 
 
@@ -118,32 +125,33 @@ def test_rows_that_read_the_history_decode_beside_the_batch(peaky):
     got, done = {}, set()
     plain = tok([PROMPTS[0]], return_tensors="pt").input_ids[0].tolist()
     penal = tok([PROMPTS[2]], return_tensors="pt").input_ids[0].tolist()
-    _collect(engine.add("plain", plain, _gc(tok, 16), 0.5), got, done)
-    _collect(engine.add("penalised", penal, _gc(tok, 16, repetition_penalty=1.3), 0.5), got, done)
+    _collect(engine.add("plain", plain, _gc(tok, 16), 0.5, **MASKS), got, done)
+    _collect(engine.add("penalised", penal, _gc(tok, 16, repetition_penalty=1.3), 0.5, **MASKS), got, done)
     assert len(engine.solo) == 1 and engine.batch is not None
     while len(engine):
         _collect(engine.step(0.5), got, done)
-    assert got["plain"] == _alone(model, tok, PROMPTS[0], 16, mars_threshold=0.5)
-    assert got["penalised"] == _alone(model, tok, PROMPTS[2], 16, mars_threshold=0.5, repetition_penalty=1.3)
+    assert got["plain"] == _alone(model, tok, PROMPTS[0], 16, mars_threshold=0.5, **MASKS)
+    assert got["penalised"] == _alone(model, tok, PROMPTS[2], 16, mars_threshold=0.5, repetition_penalty=1.3,
+                                      **MASKS)
 
 
 def test_eos_ends_a_row_in_the_middle_of_the_batch(peaky):
     model, tok = peaky
-    free = _alone(model, tok, PROMPTS[0], 12, mars_threshold=0.5)
+    free = _alone(model, tok, PROMPTS[0], 12, mars_threshold=0.5, **MASKS)
     eos = next(t for i, t in enumerate(free) if i >= 3 and t not in free[:i])  # ends the first row mid-answer
     engine = MARSEngine(model)
     got, done = {}, set()
     for p in PROMPTS[:3]:
         ids = tok([p], return_tensors="pt").input_ids[0].tolist()
-        _collect(engine.add(p, ids, _gc(tok, 12, eos_token_id=eos), 0.5), got, done)
+        _collect(engine.add(p, ids, _gc(tok, 12, eos_token_id=eos), 0.5, **MASKS), got, done)
     while len(engine):
         _collect(engine.step(0.5), got, done)
     for p in PROMPTS[:3]:
-        assert got[p] == _alone(model, tok, p, 12, mars_threshold=0.5, eos_token_id=eos)
+        assert got[p] == _alone(model, tok, p, 12, mars_threshold=0.5, eos_token_id=eos, **MASKS)
     assert got[PROMPTS[0]][-1] == eos and got[PROMPTS[0]].count(eos) == 1 and len(got[PROMPTS[0]]) < 12
 
 
-@pytest.mark.parametrize("mode", [dict(), dict(mars_verify=True)], ids=["threshold", "verify"])
+@pytest.mark.parametrize("mode", [MASKS, dict(mars_verify=True)], ids=["threshold", "verify"])
 def test_sampling_rows_join_and_leave(peaky, mode):
     """Sampling rows (verify: speculative sampling, with the drafts' distributions carried through merges and
     departures) join at different steps: every row ends within its limit, the mask token is never emitted, and a

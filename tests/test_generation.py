@@ -262,7 +262,8 @@ def test_stops_cut_exactly(peaky):
     # a second EOS id: a token the free run produces at position 5
     stop_tok = free[5]
     first = free.index(stop_tok)
-    for kw in ({"mars_threshold": 0.0}, {"mars_threshold": 0.0, "mars_cache": "block"}, {"mars_verify": True}):
+    for kw in ({"mars_threshold": 0.0, "mars_plain_steps": False}, {"mars_threshold": 0.0, "mars_cache": "block"},
+               {"mars_verify": True}):
         out = model.generate(**enc, max_new_tokens=30, do_sample=False, eos_token_id=[tok.eos_token_id, stop_tok],
                              **kw)[0, P:].tolist()
         assert out[-1] == stop_tok and stop_tok not in out[:-1]
@@ -273,11 +274,13 @@ def test_stops_cut_exactly(peaky):
         out = model.generate(**enc, max_new_tokens=n, mars_threshold=0.0, eos_token_id=[])
         assert out.shape[1] == P + n
     # stop_strings (needs tokenizer=): output = the unstopped run cut right after the first occurrence
-    run = model.generate(**enc, max_new_tokens=30, mars_threshold=0.0, eos_token_id=[])[0, P:].tolist()
+    # (the masks on every step, mars_plain_steps=False: the default's plain steps follow timing, so two runs differ)
+    run = model.generate(**enc, max_new_tokens=30, mars_threshold=0.0, mars_plain_steps=False,
+                         eos_token_id=[])[0, P:].tolist()
     text = tok.decode(run)
     stop = text[7:10]
-    out = model.generate(**enc, max_new_tokens=30, mars_threshold=0.0, stop_strings=[stop], tokenizer=tok,
-                         eos_token_id=[])
+    out = model.generate(**enc, max_new_tokens=30, mars_threshold=0.0, mars_plain_steps=False, stop_strings=[stop],
+                         tokenizer=tok, eos_token_id=[])
     decoded = tok.decode(out[0, P:])
     assert decoded == text[:text.index(stop) + len(stop)]
 
@@ -672,7 +675,7 @@ def test_library_reference_loop_matches_fast_loop(peaky, tau, last):
                                             eos_token_ids=(tok.eos_token_id,), use_last_mask=last)
         out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
                              mars_threshold=tau, mars_block_size=4, mars_use_last_mask=last,
-                             return_dict_in_generate=True)
+                             mars_plain_steps=False, return_dict_in_generate=True)  # the masks on every step
         assert out.sequences[0, len(ids):].tolist()[:len(ref)] == ref
         assert int(out.mars_forward_passes[0]) == ref_fwd
 
@@ -695,8 +698,8 @@ def test_static_cache_tau1_and_verify_equal_greedy(peaky, prompts):
 
 
 @pytest.mark.skipif(not gen.STATIC_CACHE_SUPPORTED, reason="static cache layers roll back from transformers 5.24 on")
-@pytest.mark.parametrize("kw", [dict(mars_threshold=0.3), dict(mars_verify=True, mars_threshold=0.0)],
-                         ids=["threshold", "verify"])
+@pytest.mark.parametrize("kw", [dict(mars_threshold=0.3, mars_plain_steps=False),
+                                dict(mars_verify=True, mars_threshold=0.0)], ids=["threshold", "verify"])
 def test_static_cache_rows_are_ragged_and_compacted_in_place(peaky, monkeypatch, kw):
     """A static cache does not hold batch rows in lockstep: each row accepts its own count (its output is what it
     decodes alone, forwards differ per row). The masked columns this leaves are compacted in place (the tensors
@@ -842,7 +845,7 @@ def test_compile_config_is_honoured_with_a_static_cache(peaky):
     one = tok(PROMPTS[:1], return_tensors="pt")
     _forget_compiled(model)
     calls.clear()
-    kw = dict(max_new_tokens=24, cache_implementation="static", mars_threshold=0.5)
+    kw = dict(max_new_tokens=24, cache_implementation="static", mars_threshold=0.5, mars_plain_steps=False)
     first = _greedy(model, one, compile_config=config, **kw)
     compiled_after_first = len(calls)
     assert torch.equal(_greedy(model, one, compile_config=config, **kw), first)
@@ -1077,7 +1080,7 @@ def test_batched_cache_is_compacted_and_output_unchanged(peaky, monkeypatch):
     monkeypatch.setattr(RollbackCache, "compact", spy)
     enc = tok(prompts, return_tensors="pt", padding=True)
     P = enc.input_ids.shape[1]
-    kw = dict(mars_threshold=0.3, eos_token_id=[], return_dict_in_generate=True)
+    kw = dict(mars_threshold=0.3, mars_plain_steps=False, eos_token_id=[], return_dict_in_generate=True)
     out = _greedy(model, enc, max_new_tokens=32, **kw)
     assert max(waste_seen) <= gen.COMPACT_THRESHOLD + 1e-9 and len(waste_seen) > 5
     for r, prompt in enumerate(prompts):
@@ -1164,6 +1167,8 @@ def test_one_call_and_slot_by_slot_processing_decide_alike(peaky, monkeypatch, k
     eos = [max({t for row in rows for t in row}, key=lambda t: min(row.index(t) if t in row else 99 for row in rows))]
     args = dict(kw, mars=True, eos_token_id=eos, pad_token_id=0, max_new_tokens=40, return_dict_in_generate=True)
     args.setdefault("do_sample", False)
+    if not kw.get("mars_verify"):  # the masks on every step: the default's plain steps follow each run's timing
+        args["mars_plain_steps"] = False
     if kw.get("mars_verify"):  # the chain's two processing paths (a tree takes history-free chains only)
         args["mars_draft_tree"] = "chain"
     seen = []

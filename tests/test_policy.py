@@ -342,7 +342,8 @@ def test_only_cost_consults_the_policy(peaky, monkeypatch, tree):
     ref, out = _greedy_and_verify(model, tok, PROMPTS, tree=tree)
     assert torch.equal(out.sequences, ref)
     enc = tok(PROMPTS[:1], return_tensors="pt")
-    model.generate(**enc, max_new_tokens=8, do_sample=False, mars=True, mars_threshold=0.5)  # plain_steps off
+    model.generate(**enc, max_new_tokens=8, do_sample=False, mars=True, mars_threshold=0.5,
+                   mars_plain_steps=False)  # the masks on every step: no plain-step policy either
 
 
 def test_cost_layouts_are_counted_for_the_bench(peaky):
@@ -479,8 +480,33 @@ def test_a_plain_threshold_call_is_plain_greedy(make_model, monkeypatch):
     assert out.mars_forward_passes.tolist() == out.mars_emitted_tokens.tolist()  # one token per forward
     assert all(x.shape[1] == 1 for x in fed[1:]) and not any((x == mask_id).any() for x in fed)
     assert shares == {"plain": len(fed) - 1} and record.calls == {"plain": 1}
-    out = model.generate(**enc, mars=True, mars_threshold=0.0, **kw)  # without plain_steps: no record, masks
+    out = model.generate(**enc, mars=True, mars_threshold=0.0, mars_plain_steps=False, **kw)  # no record, masks
     assert record.calls == {"plain": 1} and out.mars_emitted_tokens.sum() > out.mars_forward_passes.sum()
+
+
+@pytest.mark.plain_step_policy
+def test_threshold_mode_takes_plain_steps_by_default(make_model):
+    """The plain-step policy is threshold mode's default: a call that does not set mars_plain_steps goes through the
+    call record (drafting or plain calls, the warm-up trying both), its steps are counted for `hf-mars bench`, and
+    a call the record ran plain is plain greedy's at any tau. mars_plain_steps=False keeps the masks on every step
+    and leaves the record alone."""
+    model, tok = make_model(seed=1, initializer_range=1.0)
+    enable_mars(model)
+    enc = tok(["hello world", "a"], return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    greedy = model.generate(**enc, **kw).sequences
+    record = policy_module.record_for(model, 2, "threshold-call")
+    shares = policy_module.choices_for(model, 2, "chunk")
+    for _ in range(4):
+        before = record.calls.get("plain", 0)
+        out = model.generate(**enc, mars=True, mars_threshold=0.0, **kw)
+        if record.calls.get("plain", 0) > before:
+            assert torch.equal(out.sequences, greedy)
+    assert sum(record.calls.values()) == 4 and set(record.calls) == {"masks", "plain"}  # the warm-up ran both
+    assert sum(shares.values()) > 0
+    calls = dict(record.calls)
+    out = model.generate(**enc, mars=True, mars_threshold=0.0, mars_plain_steps=False, **kw)
+    assert record.calls == calls and out.mars_emitted_tokens.sum() > out.mars_forward_passes.sum()
 
 
 def test_threshold_plain_steps_on_a_sliding_window_batch(make_model, monkeypatch):

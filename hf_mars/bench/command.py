@@ -45,9 +45,9 @@ def add_arguments(parser):
                              "a candidate is kept while its probability, exp(-entropy) or top-1 minus top-2 "
                              "margin is >= tau (default: probability, generate's own).")
     parser.add_argument("--plain-steps", action="store_true",
-                        help="Also time threshold mode at each tau < 1 (sliding cache) with mars_plain_steps=True: "
-                             "a step drops its masks while the measured cost of the wide step does not pay (the "
-                             "layouts chosen are reported).")
+                        help="Also time threshold mode at each tau < 1 (sliding cache) with mars_plain_steps=False "
+                             "(the masks on every step) beside generate's default, where a step drops its masks "
+                             "while the measured cost of the wide step does not pay (its layouts are reported).")
     parser.add_argument("--verify-thresholds", type=float, nargs="*", default=[DEFAULT_VERIFY_THRESHOLD],
                         help="tau values for lossless verify mode (none: skip verify).")
     parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS),

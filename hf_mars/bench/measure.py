@@ -140,7 +140,7 @@ def benchmark_generation(model, tokenizer, prompts=None, thresholds=(1.0, 0.95, 
     limit and the efficiency described in the module docstring, the zero-overhead ``ideal`` speed-up,
     the loop's own overhead per step, and the share of rows whose output equals AR's. ``acceptances``: threshold
     mode's acceptance rules, each timed (the default rule's rows have ``acceptance`` None); ``plain_steps``: threshold
-    mode at each tau < 1 also with mars_plain_steps=True (rows with ``plain_steps`` True). ``short_answers``: also
+    mode at each tau < 1 also with mars_plain_steps=False (rows with ``plain_steps`` False). ``short_answers``: also
     time each call at batch 1 against MARS without a KV cache (`hf_mars.demo.short_answers`), under
     ``"short_answers"``.
     """
@@ -321,7 +321,8 @@ class _Bench:
             if spec.tree in ("cost", "auto") or spec.plain_steps:  # the layouts chosen (per step; auto: per call)
                 row["policy_layouts"] = _layout_counts(run for runs in reps for run in runs)
             row["acceptance"] = spec.acceptance
-            row["plain_steps"] = spec.plain_steps or None
+            row["plain_steps"] = (spec.plain_steps if spec.mode == "mars" and spec.cache == "sliding"
+                                  and spec.threshold < 1.0 else None)
             # what a decode step of this configuration costs, in plain decode steps (a tree is wider)
             row["step_cost_vs_1"] = row["_predicted_s"] / len(decode_widths) / table[1] if decode_widths else None
             toks = [t for run in reps[0] for t in run["new_tokens"]]  # row g of the run is records[g % len]

@@ -23,7 +23,9 @@ class RunSpec:
     kwargs: dict = field(default_factory=dict)
     tree: str | None = None  # verify mode's mars_draft_tree
     acceptance: str | None = None  # threshold mode's mars_acceptance when not the default rule
-    plain_steps: bool = False  # threshold mode with mars_plain_steps=True (the measured-cost plain-step policy)
+    # threshold mode's measured-cost plain-step policy applies (mars_plain_steps, generate's default on the sliding
+    # cache); False on a sliding-cache threshold row: the masks on every step (mars_plain_steps=False)
+    plain_steps: bool = False
 
     @property
     def label(self) -> str:
@@ -31,7 +33,7 @@ class RunSpec:
             return self.mode
         tree = f",tree={self.tree}" if self.tree else ""
         rule = f",rule={self.acceptance}" if self.acceptance else ""
-        plain = ",plain_steps" if self.plain_steps else ""
+        plain = ",plain_steps=off" if self.kwargs.get("mars_plain_steps") is False else ""
         return f"{self.mode}(tau={self.threshold:g},cache={self.cache}{rule}{plain}{tree})"
 
 
@@ -44,8 +46,8 @@ DEFAULT_ACCEPTANCE = "probability"  # what generate applies without mars_accepta
 def build_specs(thresholds, caches, verify_thresholds, block_size, cache_block, verify_cache="sliding", peers=(),
                 draft_trees=("auto",), acceptances=(DEFAULT_ACCEPTANCE,), plain_steps=False):
     """Plain `generate`, the peers asked for, then every MARS configuration: threshold mode once per cache, tau and
-    acceptance rule (``plain_steps``: each tau < 1 on the sliding cache again with mars_plain_steps=True); verify
-    once per draft tree."""
+    acceptance rule (``plain_steps``: each tau < 1 on the sliding cache again with mars_plain_steps=False, the masks
+    on every step, beside generate's default plain-step policy); verify once per draft tree."""
     unknown = sorted(set(peers) - set(PEERS))
     if unknown:
         raise ValueError(f"Unknown peer(s) {unknown}: use any of {PEERS}.")
@@ -74,10 +76,11 @@ def build_specs(thresholds, caches, verify_thresholds, block_size, cache_block, 
             for rule in acceptances:  # the default rule runs with generate's own default (no extra argument)
                 other = rule != DEFAULT_ACCEPTANCE
                 specs.append(RunSpec("mars", float(tau), cache, {**kw, **({"mars_acceptance": rule} if other else {})},
-                                     acceptance=rule if other else None))
+                                     acceptance=rule if other else None,
+                                     plain_steps=cache == "sliding" and float(tau) < 1.0))
                 if plain_steps and cache == "sliding" and float(tau) < 1.0:  # (the policy's only home)
-                    specs.append(RunSpec("mars", float(tau), cache, {**specs[-1].kwargs, "mars_plain_steps": True},
-                                         acceptance=specs[-1].acceptance, plain_steps=True))
+                    specs.append(RunSpec("mars", float(tau), cache, {**specs[-1].kwargs, "mars_plain_steps": False},
+                                         acceptance=specs[-1].acceptance, plain_steps=False))
     for tau in verify_thresholds or ():
         kw = {"mars": True, "mars_threshold": float(tau), "mars_verify": True, "mars_cache": verify_cache}
         if block_size is not None:

@@ -97,8 +97,9 @@ def _legend(repeats: int) -> list:
         "lim(w) = the same with the cost of the widths actually forwarded; "
         "ideal = speed-up with zero loop overhead (in-loop model time only); ovh = loop time outside forwards "
         "(- for compiled steps: their forwards are not timed one by one)",
-        "rule = threshold mode's mars_acceptance when not the default (probability); plain = threshold mode "
-        "with mars_plain_steps=True (a step drops its masks while the wide step's measured cost does not pay)",
+        "rule = threshold mode's mars_acceptance when not the default (probability); plain = threshold mode's "
+        "mars_plain_steps (True, the default: a step drops its masks while the wide step's measured cost does not "
+        "pay; False: the masks on every step)",
         "tree = verify mode's mars_draft_tree (auto: one draft per depth with masks after every node; chain: "
         "masks after the last draft only; cost: each step's layout chosen by measured cost, the shares above); "
         "step/c1 = a decode step's measured cost over a 1-token step's, at "

@@ -102,12 +102,15 @@ class MARSGenerationConfig:
         "skip_guard_eval_unsafe stance, process-wide: used only while every other Python thread is a daemon), "
         "which saves 0.3-0.5 ms per step on CPU. Set it if code run between steps (a streamer, a logits "
         "processor) changes the model, or a daemon thread runs compiled code while generate runs."))
-    plain_steps: bool = _field(False, (
+    plain_steps: bool = _field(True, (
         "Threshold mode (sliding cache, eager steps): take plain 1-token steps while the masks do not pay: per "
         "generate call (drafting or plain calls, whichever this process measured faster for the model and batch "
         "size) and, in a drafting call, per step, from the measured cost of a step by width and the tokens the wide "
-        "steps accepted (tau is untouched: a plain step only shortens a run). The output then depends on timing, "
-        "so it is off by default; verify mode's draft_tree='cost' makes the same choice losslessly."))
+        "steps accepted. Tau is untouched: a plain step emits greedy's token, so it only shortens a run of accepted "
+        "masks, and threshold mode never runs below plain decoding's speed for long. Which steps drop their masks "
+        "depends on the measured timing, so two runs of a tau < 1 call can differ; set False for run-to-run "
+        "identical tau < 1 output (the masks on every step). Verify mode (lossless) chooses its layouts with "
+        "draft_tree='auto'."))
 
     def __post_init__(self):
         # the fields set to something other than their default: what a `mars_config=` passed to generate imposes
