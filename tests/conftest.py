@@ -25,11 +25,11 @@ def _masks_on_every_step(request, monkeypatch):
     resolve = MARSGenerationConfig.resolve.__func__
 
     def masks_unless_set(cls, model, generation_config=None, base=None, **given):
+        config = resolve(cls, model, generation_config, base, **given)
         saved = getattr(generation_config, "__dict__", {}).get("mars_plain_steps")
-        if given.get("mars_plain_steps") is None and saved is None and not (
-                base is not None and "plain_steps" in base._explicit):
-            given["mars_plain_steps"] = False
-        return resolve(cls, model, generation_config, base, **given)
+        if "plain_steps" not in config._from_call and saved is None:
+            config.plain_steps = False
+        return config
 
     monkeypatch.setattr(MARSGenerationConfig, "resolve", classmethod(masks_unless_set))
 

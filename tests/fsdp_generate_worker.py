@@ -33,8 +33,9 @@ def main(out_dir):
     budget = 4 if rank == 0 else 40  # rank 0 finishes long before rank 1
     enc = tok(prompts, return_tensors="pt", padding=True)
     results = {}
-    for name, kw in {"tau=0.5": dict(mars_threshold=0.5), "verify": dict(mars_verify=True, mars_threshold=0.0),
-                     "tau=1": dict(mars_threshold=1.0)}.items():
+    # tau = 0.5 with the masks on every step: the default's plain steps follow each run's timing
+    for name, kw in {"tau=0.5": dict(mars_threshold=0.5, mars_plain_steps=False),
+                     "verify": dict(mars_verify=True, mars_threshold=0.0), "tau=1": dict(mars_threshold=1.0)}.items():
         with torch.no_grad():
             sharded = model.generate(**enc, max_new_tokens=budget, do_sample=False, eos_token_id=[], **kw)
             alone = reference.generate(**enc, max_new_tokens=budget, do_sample=False, eos_token_id=[], **kw)
