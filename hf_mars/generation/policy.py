@@ -2,8 +2,8 @@
 tree or the draft chain, whichever this process measured faster for the model, device, dtype and batch size. The
 opt-in ``draft_tree="cost"`` (`DraftPolicy`): each step, the draft tree (or chain, or plain 1-token step) that is
 expected to emit the most tokens per second, from the drafts' own probabilities and the measured cost of a step's
-width. Threshold mode's opt-in ``plain_steps``: per call, drafting or plain steps throughout (`ThresholdCallRecord`),
-and in a drafting call each step (`ThresholdPolicy`).
+width. Threshold mode's ``plain_steps`` (its default; False keeps the masks on every step): per call, drafting or
+plain steps throughout (`ThresholdCallRecord`), and in a drafting call each step (`ThresholdPolicy`).
 
 Why: no fixed layout is right everywhere. On the demo checkpoint on a CPU the all-top-1 tree with masks after
 every node wins at batch 1 and loses to the chain at batch 16, where a wide step costs 2.7x a 1-token step; on a
@@ -332,7 +332,7 @@ _CHOICES: dict = {}
 
 
 def threshold_policy(dec):
-    """Threshold mode's plain-step policy where the call asked for it (``plain_steps``) and it can apply: eager
+    """Threshold mode's plain-step policy where the call has it (``plain_steps``, the default) and it can apply: eager
     steps of the sliding cache (None elsewhere). Rows held in lockstep (a sliding-window model's batch) take the
     plain step together, as they take every step."""
     if not dec.opts.plain_steps or dec.opts.verify or dec.shape.one_token or dec.shape.block or dec.clients.exact \
