@@ -415,6 +415,14 @@ def test_threshold_steps_go_plain_only_while_the_masks_do_not_pay():
     assert not cheap.plain(16, 5, 1)
 
 
+def _threshold_record(model, rows, tau):
+    """Threshold mode's per-call record for calls at this tau (with the model's other defaults)."""
+    from hf_mars.generation import MARSGenerationConfig
+
+    opts = MARSGenerationConfig.resolve(model, model.generation_config, mars_threshold=tau)
+    return policy_module.record_for(model, rows, "threshold-call", acceptance=policy_module.acceptance_key(opts))
+
+
 def test_threshold_plain_steps_emit_the_ar_token(peaky, monkeypatch):
     """A plain step in threshold mode is an AR step: after the prefill (its masks' tokens at tau = 0), every token
     is the model's argmax at its prefix, one per forward, whatever tau."""
@@ -467,7 +475,7 @@ def test_a_plain_threshold_call_is_plain_greedy(make_model, monkeypatch):
     kw = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
     greedy = model.generate(**enc, **kw).sequences
     monkeypatch.setattr(call_record.ThresholdCallRecord, "choose", lambda self: "plain")
-    record = policy_module.record_for(model, 2, "threshold-call")
+    record = _threshold_record(model, 2, 0.0)
     shares = policy_module.choices_for(model, 2, "chunk")
     fed = []
     hook = model.register_forward_pre_hook(lambda mod, args, kwargs: fed.append(kwargs["input_ids"]),
@@ -495,7 +503,7 @@ def test_threshold_mode_takes_plain_steps_by_default(make_model):
     enc = tok(["hello world", "a"], return_tensors="pt", padding=True)
     kw = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
     greedy = model.generate(**enc, **kw).sequences
-    record = policy_module.record_for(model, 2, "threshold-call")
+    record = _threshold_record(model, 2, 0.0)
     shares = policy_module.choices_for(model, 2, "chunk")
     for _ in range(4):
         before = record.calls.get("plain", 0)
@@ -507,6 +515,10 @@ def test_threshold_mode_takes_plain_steps_by_default(make_model):
     calls = dict(record.calls)
     out = model.generate(**enc, mars=True, mars_threshold=0.0, mars_plain_steps=False, **kw)
     assert record.calls == calls and out.mars_emitted_tokens.sum() > out.mars_forward_passes.sum()
+    # another tau keeps its own record (its masks are worth more or less): a sweep never runs by the first tau's
+    model.generate(**enc, mars=True, mars_threshold=0.5, **kw)
+    other = _threshold_record(model, 2, 0.5)
+    assert other is not record and sum(other.calls.values()) == 1 and record.calls == calls
 
 
 def test_threshold_plain_steps_on_a_sliding_window_batch(make_model, monkeypatch):

@@ -90,8 +90,12 @@ def _per_task_tpf(examples, model, tokenizer, batch_size, progress, **gen_kwargs
             "per_task": per_task, "predictions": texts}
 
 
-def _mars_kwargs(threshold, block_size, cache="sliding", verify=False, draft_tree=None):
-    """``draft_tree``: verify's layout (None: the default 'auto', which picks one per call by measured speed)."""
+def _mars_kwargs(threshold, block_size, cache="sliding", verify=False, draft_tree=None, plain_steps=None):
+    """``draft_tree``: verify's layout (None: the default 'auto', which picks one per call by measured speed).
+    ``plain_steps``: threshold mode's mars_plain_steps (None: the default, plain steps where the measured cost says
+    the masks do not pay; the quality sweeps pass False, so a tau's tokens per forward and accuracy are its masks',
+    the same in every run, as verify's are a fixed tree's)."""
     return {"mars": True, "mars_threshold": float(threshold), "mars_block_size": int(block_size),
-            "mars_cache": cache, "mars_verify": bool(verify), **({"mars_draft_tree": draft_tree} if draft_tree else {})}
+            "mars_cache": cache, "mars_verify": bool(verify), **({"mars_draft_tree": draft_tree} if draft_tree else {}),
+            **({"mars_plain_steps": bool(plain_steps)} if plain_steps is not None and not verify else {})}
 

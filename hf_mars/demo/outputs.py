@@ -62,6 +62,9 @@ def speed_table(report) -> str:
     v = report["verify"]
     lines.append(f"| MARS verify (lossless) | – | {v['tokens_per_forward']:.2f} | "
                  f"{_ci(v['accuracy'], v.get('accuracy_ci95'))} | {v['speedup_vs_ar']:.2f}× |")
+    lines += ["", "Tokens per forward and accuracy: each τ with its masks on every step (mars_plain_steps=False) "
+                  "and verify with the fixed tree, so they are the same in every run; speed-ups: generate's "
+                  "defaults (plain steps where the masks do not pay; verify's 'auto')."]
     paired = report.get("paired_tau1_vs_ar_sft")
     if paired:
         lines += ["", f"MARS τ = 1 against AR-SFT on the same {paired['n']} questions: "

@@ -282,7 +282,8 @@ def _evaluate(mars_model, tokenizer, ar_model, ar_tokenizer, eval_examples, args
         sweep = {}
         for tau in THRESHOLDS:
             bar.set_postfix_str(f"tau={tau:g}")
-            sweep[tau] = _per_task_tpf(eval_examples, mars_model, tokenizer, eval_bs, bar, **_mars_kwargs(tau, B))
+            sweep[tau] = _per_task_tpf(eval_examples, mars_model, tokenizer, eval_bs, bar,
+                                       **_mars_kwargs(tau, B, plain_steps=False))  # (the timing runs the default)
         bar.set_postfix_str("verify")
         verify_res = _per_task_tpf(eval_examples, mars_model, tokenizer, eval_bs, bar,
                                    **_mars_kwargs(args.verify_threshold, B, verify=True, draft_tree="tree"))

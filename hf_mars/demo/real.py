@@ -260,6 +260,8 @@ def _decoding(model, tokenizer, prompts, args, draft_vocab) -> dict:
     greedy, _ = _greedy_ids(model, tokenizer, prompts, args.max_new_tokens)
     out = {}
     for name, kwargs in _modes(args, draft_vocab, tree=tree_supported(model)).items():
+        if not kwargs["mars_verify"]:  # a tau's own masks on every step (the timing runs the default plain steps)
+            kwargs = {**kwargs, "mars_plain_steps": False}
         ids, tpf = _greedy_ids(model, tokenizer, prompts, args.max_new_tokens, **kwargs)
         out[name] = {"tokens_per_forward": tpf, "agreement_with_greedy": agreement(ids, greedy),
                      "identical_to_greedy": ids == greedy}

@@ -341,7 +341,14 @@ def threshold_policy(dec):
     from .cost import costs_for
 
     return ThresholdPolicy(costs_for(dec.model, "chunk"), choices_for(dec.model, dec.batch, "chunk"),
-                           record_for(dec.model, dec.batch, "chunk"))
+                           record_for(dec.model, dec.batch, "chunk", acceptance=acceptance_key(dec.opts)))
+
+
+def acceptance_key(opts) -> tuple:
+    """What a threshold-mode call's masks are worth depends on its acceptance (tau, the rule, the block size, the
+    cap, the last mask): calls that differ there keep their own records. Shared, a tau sweep would run every tau
+    by what the first one measured (tau = 0.99's masks may not pay where tau = 0.5's do)."""
+    return (float(opts.threshold), opts.acceptance, int(opts.block_size), opts.max_accept, bool(opts.use_last_mask))
 
 
 def choices_for(model, rows: int, loop: str = "tree") -> dict:
@@ -357,7 +364,7 @@ def threshold_call(dec, synced: bool):
     ``generate`` call's, the record and this call's layout ('masks' or 'plain'); (None, None) elsewhere."""
     if synced or not isinstance(dec.policy, ThresholdPolicy):
         return None, None
-    record = record_for(dec.model, dec.batch, "threshold-call")
+    record = record_for(dec.model, dec.batch, "threshold-call", acceptance=acceptance_key(dec.opts))
     return record, record.choose()
 
 
@@ -376,18 +383,20 @@ def threshold_call_done(dec, record, layout: str) -> None:
 _RECORDS: dict = {}
 
 
-def record_for(model, rows: int, loop: str = "tree", draft_vocab: tuple | None = None):
+def record_for(model, rows: int, loop: str = "tree", draft_vocab: tuple | None = None,
+               acceptance: tuple | None = None):
     """The process's `DraftRecord` ("tree"), `ThresholdRecord` ("chunk"), 'auto''s `CallRecord` ("call", "call-chain"),
     `ThresholdCallRecord` ("threshold-call") or `MARSEngine`'s ("engine") for this model / device / dtype and batch
     size, shared by successive calls. Calls with a draft vocabulary (``mars_draft_vocab``) keep their own: it makes
-    a wide step cheaper, so what pays differs."""
+    a wide step cheaper, so what pays differs; so do threshold-mode calls of another acceptance (`acceptance_key`):
+    their masks emit more or fewer tokens."""
     from .cost import model_key, per_model
 
     make = {"tree": DraftRecord, "chunk": ThresholdRecord, "call": CallRecord,
             "engine": lambda: CallRecord(ENGINE_LAYOUTS, warm_calls=ENGINE_WARM_STEPS),
             "call-chain": lambda: CallRecord(CALL_LAYOUTS[1:]),  # (no tree: the chain or plain)
             "threshold-call": ThresholdCallRecord}[loop]
-    return per_model(_RECORDS, (model_key(model), int(rows), loop, draft_vocab), model, make)
+    return per_model(_RECORDS, (model_key(model), int(rows), loop, draft_vocab, acceptance), model, make)
 
 
 def _best_fits(opts) -> tuple:
