@@ -37,7 +37,7 @@ def test_demo_report_card_table():
     assert names[0].startswith("AR SFT baseline") and names[1] == "MARS (one-token mode)"
     assert names[-1].startswith("MARS verify") and len(names) == 2 + len(json.loads(DEMO_REPORT.read_text())["mars"])
     one = table["rows"][1]
-    assert one["threshold"] == "1" and one["accuracy"] == "95.9% (93.2–97.6)" and one["speedup"] == "1.10×"
+    assert one["threshold"] == "1" and one["accuracy"] == "96.2% (93.6–97.8)" and one["speedup"] == "1.10×"
     assert table["rows"][0]["tokens_per_forward"] == "1.00" and table["rows"][0]["speedup"] == "–"
     assert any("McNemar" in note for note in table["notes"]) and any("Wilson" in note for note in table["notes"])
     assert "Reproduce with: `hf-mars demo`." in table["notes"]
