@@ -90,9 +90,8 @@ def main(argv=None) -> int:
                "greedy_agreement_with_base": real.agreement(greedy, base_ids),
                "verify_tokens_per_forward": tpf, "verify_identical_to_greedy": drafted == greedy, "threshold": {}}
         for tau in args.thresholds:
-            # masks on every step: tokens per forward and agreement measure the masks, not this run's timing
             ids, tau_tpf = real._greedy_ids(model, tokenizer, prompts, args.max_new_tokens, mars=True,
-                                            mars_threshold=tau, mars_plain_steps=False)
+                                            mars_threshold=tau)  # (masks on every step: `real._greedy_ids`)
             arm["threshold"][str(tau)] = {"tokens_per_forward": tau_tpf,
                                           "agreement_with_greedy": real.agreement(ids, greedy)}
         if args.save_dir:

@@ -194,8 +194,13 @@ def perplexity(model, tokenizer, texts, max_tokens: int = 128) -> float:
 
 
 def _greedy_ids(model, tokenizer, prompts, max_new_tokens, **kwargs):
-    """Greedy new-token ids per prompt (batch 1: no padding enters the comparison), and MARS's forward counts."""
+    """Greedy new-token ids per prompt (batch 1: no padding enters the comparison), and MARS's forward counts.
+    A threshold-mode call keeps its masks on every step unless told otherwise (``mars_plain_steps=False``): the
+    figures measured here are the masks', the same in every run; the timing runs the default plain steps."""
     import torch
+
+    if kwargs.get("mars") and not kwargs.get("mars_verify"):
+        kwargs = {"mars_plain_steps": False, **kwargs}
 
     ids, forwards, emitted = [], 0, 0
     with torch.inference_mode():
@@ -260,8 +265,6 @@ def _decoding(model, tokenizer, prompts, args, draft_vocab) -> dict:
     greedy, _ = _greedy_ids(model, tokenizer, prompts, args.max_new_tokens)
     out = {}
     for name, kwargs in _modes(args, draft_vocab, tree=tree_supported(model)).items():
-        if not kwargs["mars_verify"]:  # a tau's own masks on every step (the timing runs the default plain steps)
-            kwargs = {**kwargs, "mars_plain_steps": False}
         ids, tpf = _greedy_ids(model, tokenizer, prompts, args.max_new_tokens, **kwargs)
         out[name] = {"tokens_per_forward": tpf, "agreement_with_greedy": agreement(ids, greedy),
                      "identical_to_greedy": ids == greedy}
