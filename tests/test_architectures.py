@@ -148,6 +148,51 @@ def test_sliding_window_prompt_longer_than_window(tok):
         assert torch.equal(_generate(model, enc, max_new_tokens=40, **kw).sequences, plain)
 
 
+@pytest.mark.parametrize("arch", ["gemma3_text", "mistral"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_sliding_window_rows_are_ragged_while_the_call_fits_the_window(arch, cache, tok):
+    """A call that fits inside the window whole (prompt, new tokens, one step, the compaction slack) moves its rows
+    at their own pace: no window cuts, so the masked columns ragged rows leave change no row's attention. tau = 1
+    and verify equal plain greedy; threshold mode's rows each equal the row decoded alone (evened rows would not).
+    With a window the call runs past, the rows move in lockstep again (as many forwards each), still exact."""
+    if cache == "static" and not STATIC_CACHE_SUPPORTED:
+        pytest.skip("static cache layers roll back from transformers 5.24 on")
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    P, opts = enc.input_ids.shape[1], dict(max_new_tokens=16, eos_token_id=[])
+    if cache == "static":
+        opts["cache_implementation"] = "static"
+    modes = (dict(mars_threshold=1.0), dict(mars_verify=True), dict(mars_threshold=0.3, mars_plain_steps=False))
+    for window, ragged in ((256, True), (12, False)):
+        model = enable_mars(build(arch, tok, sliding_window=window))
+        set_mars_metadata(model.config, block_size=4, trained_steps=1)
+        plain = _generate(model, enc, max_new_tokens=16, eos_token_id=[]).sequences
+        forwards = []
+        for kw in modes:
+            out = _generate(model, enc, **opts, **kw)
+            forwards.append(set(out.mars_forward_passes.tolist()))
+            if "mars_plain_steps" not in kw:
+                assert torch.equal(out.sequences, plain), (window, kw)
+            elif ragged:
+                for r, prompt in enumerate(PROMPTS):
+                    alone = _generate(model, tok([prompt], return_tensors="pt"), **opts, **kw)
+                    assert out.sequences[r, P:].tolist() == alone.sequences[0, -16:].tolist(), (r, kw)
+        if ragged:
+            assert any(len(f) > 1 for f in forwards), f"no row moved at its own pace: {forwards}"
+        else:
+            assert all(len(f) == 1 for f in forwards), f"rows not in lockstep past the window: {forwards}"
+
+
+def test_a_call_fits_the_window_with_the_compaction_slack(tok):
+    """Ragged rows' masked columns are compacted once over `COMPACT_THRESHOLD` of the cache, and a dynamic window
+    layer keeps ``window - 1`` columns: a call of ``needed`` columns fits while needed / (1 - threshold) does."""
+    from hf_mars.generation.cache import COMPACT_THRESHOLD, call_fits_window
+
+    model = build("gemma3_text", tok, sliding_window=101)
+    most = max(n for n in range(1, 101) if n / (1 - COMPACT_THRESHOLD) <= 100)
+    assert call_fits_window(model, most) and not call_fits_window(model, most + 1)
+    assert not call_fits_window(build("llama", tok), 1)  # no window: nothing to fit (full attention is ragged)
+
+
 @pytest.mark.skipif(not STATIC_CACHE_SUPPORTED, reason="static cache layers roll back from transformers 5.24 on")
 @pytest.mark.parametrize("arch", [a for a in ARCHS if "sliding_window" in ARCHITECTURES[a][1]])
 def test_static_cache_of_sliding_window_models(arch, tok):

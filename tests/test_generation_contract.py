@@ -122,8 +122,16 @@ def test_cache_layer_internals():
         return callable(getattr(DynamicSlidingWindowLayer, "activate_past_recording", None)) and callable(
             getattr(DynamicCache, "activate_past_recording", None))
 
+    def window_layer():  # a compacted window layer's mask sizes follow its cumulative_length
+        layer = DynamicSlidingWindowLayer(sliding_window=8)
+        layer.update(keys, keys.clone())
+        _compat.set_layer_tensors(layer, keys[:, :, :2], keys[:, :, :2].clone())
+        _compat.shift_window_length(layer, 1)
+        return layer.get_seq_length() == 2 and layer.get_mask_sizes(1) == (3, 0)
+
     moved = _moved({"StaticLayer.max_cache_len / is_initialized / cumulative_length": static_layer,
                     "DynamicLayer.keys / values": dynamic_layer,
+                    "DynamicSlidingWindowLayer.cumulative_length / get_mask_sizes": window_layer,
                     "activate_past_recording": sliding_past,
                     "an empty layer reads as None": lambda: _compat.layer_tensors(DynamicCache().layers[0]
                                                                                   if DynamicCache().layers else

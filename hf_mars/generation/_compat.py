@@ -147,5 +147,11 @@ def shift_static_length(layer, removed: int) -> None:
     layer.cumulative_length.sub_(removed)
 
 
+def shift_window_length(layer, removed: int) -> None:
+    """A dynamic sliding-window layer the window never trimmed whose columns were compacted: the length its mask
+    sizes come from (``DynamicSlidingWindowLayer.cumulative_length``, an int) moves back by ``removed``."""
+    layer.cumulative_length -= removed
+
+
 def is_static(layer) -> bool:
     return type(layer) is StaticLayer

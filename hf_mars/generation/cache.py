@@ -8,9 +8,14 @@ columns hides them, and `compact` removes them once they are more than a small s
 A static sliding-window layer overwrites the oldest column once its window is full, which no crop can undo: for a
 sliding-window model (Gemma 2 / 3, Mistral) MARS decodes into a static cache whose every layer holds the whole
 call (`full_static_cache`), and the model's own sliding-window mask still limits those layers' attention.
+
+A window counts cache columns, so a masked column inside it would shorten it: a sliding-window model's batch rows
+move in lockstep (no masked columns), unless the whole call fits inside the window (`RollbackCache.ragged_rows`).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from transformers.cache_utils import (
@@ -29,6 +34,7 @@ from ._compat import (
     resize_unallocated_static,
     set_layer_tensors,
     shift_static_length,
+    shift_window_length,
     static_capacity,
 )
 
@@ -121,6 +127,16 @@ def has_sliding_layers(cache) -> bool:
     return any(isinstance(layer, SLIDING_LAYERS) for layer in getattr(cache, "layers", []))
 
 
+def call_fits_window(model, needed: int) -> bool:
+    """Whether a call that needs ``needed`` columns (prompt, new tokens, one step) stays inside ``model``'s sliding
+    window with ragged rows: their masked columns are compacted once they exceed `COMPACT_THRESHOLD` of the cache,
+    so it can hold ``needed / (1 - COMPACT_THRESHOLD)`` columns at most; a dynamic window layer keeps the last
+    ``window - 1`` columns, so that many must never be exceeded (nothing is trimmed, and every query's window
+    reaches back to column 0)."""
+    window = getattr(model.config.get_text_config(), "sliding_window", None)
+    return isinstance(window, int) and math.ceil(needed / (1 - COMPACT_THRESHOLD)) <= window - 1
+
+
 class RollbackCache:
     """The cache, its real length and the 2D mask over its columns (None while every column is real)."""
 
@@ -133,6 +149,9 @@ class RollbackCache:
         # sliding-window layers count cache columns, so a masked-out column inside the window would shorten it:
         # batch rows move in lockstep (no ragged columns); dynamic ones keep their past until each crop (rollback)
         self.sliding = has_sliding_layers(cache)
+        # ... unless the call fits inside the window whole: no window then cuts, every row attends to all its
+        # columns, and masked ones change nothing (as with full attention)
+        self.ragged_rows = not self.sliding or call_fits_window(model, needed)
         self.trims_window = any(type(layer) is DynamicSlidingWindowLayer for layer in layers)
         if self.trims_window:
             record_sliding_past(cache)
@@ -262,6 +281,8 @@ class RollbackCache:
                 shift_static_length(layer, waste)
             else:
                 set_layer_tensors(layer, *picked)
+                if type(layer) is DynamicSlidingWindowLayer:  # (compacted only while untrimmed: `ragged_rows`)
+                    shift_window_length(layer, waste)
         self.attn = self.attn.gather(1, order)
         self.length -= waste
         return True

@@ -6,8 +6,8 @@ uncached committed tokens, pending drafts, mask tokens), one forward over the KV
 processor reads them in its graph) and decides with the rules of `rules.py`; the cache rolls back (`cache.py`) and
 the rows advance (commit). The decoder holds no acceptance rule. Two cases move the rows in lockstep (the same
 count per step): stateful logits processors or criteria (they must see exactly the calls plain decoding makes:
-the acceptor decides those position by position), and sliding-window caches or a static block cache (a window
-counts cache columns; a block's chunk spans the rows).
+the acceptor decides those position by position), and sliding-window caches of calls longer than the window or a
+block cache on a static or sliding-window cache (a window counts cache columns; a block's chunk spans the rows).
 """
 
 from __future__ import annotations
@@ -68,12 +68,13 @@ class MARSDecoder:
         self.copies_failed = False  # a stateful processor could not be copied (`acceptor.disposable_chain`)
         self.tree_shape = None  # verify mode's draft tree (`tree.TreeDecoder`); None: no tree
         # ragged rows leave masked columns in the cache, which every later forward pays for: compacted away
-        # (full-attention caches, unlocked batches; a static cache in place, and also whenever a step would not
-        # fit). A sliding window counts columns and a block cache's chunk spans rows: there every row accepts the
-        # same count each step (the position-by-position path for stateful clients already moves rows that way)
-        self.shape.compactable = not self.clients.exact and not self.shape.block and not self.cache.sliding
+        # (unlocked batches; a static cache in place, and also whenever a step would not fit). A sliding window
+        # counts columns (unless the call fits inside it: `RollbackCache.ragged_rows`) and a block cache's chunk
+        # spans rows: there every row accepts the same count each step (the position-by-position path for
+        # stateful clients already moves rows that way)
+        self.shape.compactable = not self.clients.exact and not self.shape.block and self.cache.ragged_rows
         self.shape.lockstep = b > 1 and not self.clients.exact and (
-            self.cache.sliding or (self.cache.static and self.shape.block))
+            not self.cache.ragged_rows or (self.shape.block and (self.cache.static or self.cache.sliding)))
         # opt-in per-step policies (policy.py: draft_tree='cost' in `tree.TreeDecoder`, threshold mode's plain_steps);
         # each keeps its own choice for the current step
         self.policy = threshold_policy(self)
