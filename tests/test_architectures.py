@@ -12,9 +12,11 @@ import torch
 from architectures import ARCHITECTURES, SDPA_UNSUPPORTED, WINDOW, build
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from hf_mars import MARSConfig, MARSTrainer, enable_mars, save_for_hub
 from hf_mars.generation import STATIC_CACHE_SUPPORTED
+from hf_mars.generation.cache import RollbackCache
 from hf_mars.testing_utils import build_char_tokenizer
 from hf_mars.training.masking import build_model_mars_mask, build_noisy_input_ids
 from hf_mars.training.tokens import set_mars_metadata
@@ -150,7 +152,7 @@ def test_sliding_window_prompt_longer_than_window(tok):
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "mistral"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_sliding_window_rows_are_ragged_while_the_call_fits_the_window(arch, cache, tok):
+def test_sliding_window_rows_are_ragged_while_the_call_fits_the_window(arch, cache, tok, monkeypatch):
     """A call that fits inside the window whole (prompt, new tokens, one step, the compaction slack) moves its rows
     at their own pace: no window cuts, so the masked columns ragged rows leave change no row's attention. tau = 1
     and verify equal plain greedy; threshold mode's rows each equal the row decoded alone (evened rows would not).
@@ -162,6 +164,7 @@ def test_sliding_window_rows_are_ragged_while_the_call_fits_the_window(arch, cac
     if cache == "static":
         opts["cache_implementation"] = "static"
     modes = (dict(mars_threshold=1.0), dict(mars_verify=True), dict(mars_threshold=0.3, mars_plain_steps=False))
+    tree = dict(mars_verify=True, mars_draft_tree="2,2,1,1")  # a tree's gathered path leaves gaps too
     for window, ragged in ((256, True), (12, False)):
         model = enable_mars(build(arch, tok, sliding_window=window))
         set_mars_metadata(model.config, block_size=4, trained_steps=1)
@@ -180,6 +183,24 @@ def test_sliding_window_rows_are_ragged_while_the_call_fits_the_window(arch, cac
             assert any(len(f) > 1 for f in forwards), f"no row moved at its own pace: {forwards}"
         else:
             assert all(len(f) == 1 for f in forwards), f"rows not in lockstep past the window: {forwards}"
+        if cache == "static":  # (a tree never runs on a static cache)
+            continue
+        if ragged:  # (a window layer's length, which a chain step's mask sizes read, follows the gathered path)
+            monkeypatch.setattr(RollbackCache, "keep_chunk_columns", _lengths_checked(RollbackCache.keep_chunk_columns))
+            assert torch.equal(_generate(model, enc, **opts, **tree).sequences, plain)
+            monkeypatch.undo()
+        else:
+            with pytest.raises(ValueError, match="a sliding window the call does not fit in"):
+                _generate(model, enc, **opts, **tree)
+
+
+def _lengths_checked(keep_chunk_columns):
+    def checked(self, *args):
+        keep_chunk_columns(self, *args)
+        for layer in self.cache.layers:
+            if type(layer) is DynamicSlidingWindowLayer:
+                assert layer.get_seq_length() == layer.keys.shape[2] == self.length
+    return checked
 
 
 def test_a_call_fits_the_window_with_the_compaction_slack(tok):

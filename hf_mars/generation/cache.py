@@ -214,6 +214,8 @@ class RollbackCache:
                 picked = chunk.gather(2, idx.expand(-1, chunk.shape[1], -1, chunk.shape[3]))
                 kept.append(torch.cat([full[:, :, :start], picked], dim=2))
             set_layer_tensors(layer, *kept)
+            if type(layer) is DynamicSlidingWindowLayer:  # (a tree runs only while untrimmed: `ragged_rows`)
+                shift_window_length(layer, width - index.shape[1])
         self._append(kept_real, index.shape[1], device)
 
     def _append(self, kept_real, keep: int, device) -> None:

@@ -133,7 +133,8 @@ def shape_of(opts, max_drafts: int) -> tuple:
     return tuple(int(k) for k in opts.draft_tree.split(","))
 
 
-CACHE_REFUSAL = "a static or sliding-window cache (the accepted path is gathered, the cache cannot hold gaps)"
+CACHE_REFUSAL = ("a static cache, or a sliding window the call does not fit in (the accepted path is gathered, the "
+                 "cache cannot hold gaps)")
 
 
 def options_refusal(dec) -> str | None:
@@ -155,7 +156,7 @@ def refusal(dec) -> str | None:
     reason = options_refusal(dec)
     if reason is not None:
         return reason
-    if dec.cache.sliding:
+    if not dec.cache.ragged_rows:  # a sliding window the call does not fit in: no gaps
         return CACHE_REFUSAL
     if attention not in TREE_ATTENTION:
         return f"attn_implementation={attention!r} (a tree needs a 4D attention mask: use 'sdpa' or 'eager')"
