@@ -680,14 +680,14 @@ def test_default_verify_follows_the_record_and_stays_greedy(peaky, monkeypatch):
 
 
 def test_where_a_tree_is_refused_auto_measures_the_chain_against_plain_steps(make_model):
-    """A model whose cache has sliding-window layers (as Gemma 3's) cannot decode a tree; 'auto' then weighs the
-    chain against plain one-token steps (weak masks or a costly wide step may not pay), in its own record, and both
-    stay plain greedy. Sampling keeps the chain (no record)."""
+    """A call longer than its model's sliding window (Gemma 3's past 512 positions) cannot decode a tree; 'auto'
+    then weighs the chain against plain one-token steps (weak masks or a costly wide step may not pay), in its own
+    record, and both stay plain greedy. Sampling keeps the chain (no record)."""
     from transformers import DynamicCache
 
     from hf_mars.generation.cache import has_sliding_layers
 
-    model, tok = make_model(seed=1, initializer_range=1.0, use_sliding_window=True, sliding_window=64,
+    model, tok = make_model(seed=1, initializer_range=1.0, use_sliding_window=True, sliding_window=16,
                             max_window_layers=0)
     assert has_sliding_layers(DynamicCache(config=model.config))
     enable_mars(model)

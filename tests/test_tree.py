@@ -252,7 +252,7 @@ def test_an_asked_for_tree_is_refused_clearly(peaky, case):
         if not STATIC_CACHE_SUPPORTED:
             pytest.skip("static cache layers roll back from transformers 5.24 on (refused before that anyway)")
         kw["cache_implementation"] = "static"
-        match = "static or sliding"
+        match = "a static cache, or a sliding window"
     else:
         model.config._attn_implementation = "flash_attention_2"
         match = "4D attention mask"
@@ -301,5 +301,5 @@ def test_tree_with_a_passed_static_cache_is_refused(peaky):
     model, tok = peaky
     enc = tok(["hello"], return_tensors="pt")
     cache = StaticCache(config=model.config, max_cache_len=128)
-    with pytest.raises(ValueError, match="static or sliding"):
+    with pytest.raises(ValueError, match="a static cache, or a sliding window"):
         _generate(model, enc, mars_verify=True, mars_draft_tree="1,1", **{CACHE_ARG: cache})

@@ -236,9 +236,10 @@ def _quality(base_model, mars_model, sft_model, tokenizer, data, args) -> dict:
 
 
 def tree_supported(model) -> bool:
-    """Whether verify can decode with a draft tree on this model's default cache: not with sliding-window layers
-    (Gemma 3 has five to each global one), whose cache cannot hold the gaps a tree's rejected branches leave
-    (`hf_mars.generation.tree.refusal`, the same rule); there verify drafts a chain."""
+    """Whether the demo asks verify for a draft tree on this model: not with sliding-window layers (Gemma 3 has
+    five to each global one), whose cache holds the gaps a tree's rejected branches leave only while a call fits
+    inside the window (`hf_mars.generation.tree.refusal`); the demo drafts a chain there, so no prompt of the
+    user's data is refused."""
     from transformers import DynamicCache
 
     from hf_mars.generation.cache import has_sliding_layers
