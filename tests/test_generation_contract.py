@@ -126,7 +126,6 @@ def test_cache_layer_internals():
         layer = DynamicSlidingWindowLayer(sliding_window=8)
         layer.update(keys, keys.clone())
         _compat.set_layer_tensors(layer, keys[:, :, :2], keys[:, :, :2].clone())
-        _compat.shift_window_length(layer, 1)
         return layer.get_seq_length() == 2 and layer.get_mask_sizes(1) == (3, 0)
 
     moved = _moved({"StaticLayer.max_cache_len / is_initialized / cumulative_length": static_layer,

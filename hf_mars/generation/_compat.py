@@ -137,7 +137,12 @@ def layer_tensors(layer):
 
 
 def set_layer_tensors(layer, keys, values) -> None:
-    """Replace a dynamic layer's keys and values (a gathered path, a merged or filtered batch)."""
+    """Replace a dynamic layer's keys and values (a gathered path, a merged or filtered batch, compacted columns).
+    A sliding-window layer's mask sizes come from the length it counts (``DynamicSlidingWindowLayer.
+    cumulative_length``): it moves by the columns added or removed (callers change the count only while the window
+    has trimmed nothing: `RollbackCache.ragged_rows`)."""
+    if type(layer) is DynamicSlidingWindowLayer:
+        layer.cumulative_length += keys.shape[-2] - layer.keys.shape[-2]
     layer.keys, layer.values = keys, values
 
 
@@ -145,12 +150,6 @@ def shift_static_length(layer, removed: int) -> None:
     """A static layer whose columns were compacted in place: its write position moves back by ``removed``
     (``StaticLayer.cumulative_length``, a device tensor compiled graphs read)."""
     layer.cumulative_length.sub_(removed)
-
-
-def shift_window_length(layer, removed: int) -> None:
-    """A dynamic sliding-window layer the window never trimmed whose columns were compacted: the length its mask
-    sizes come from (``DynamicSlidingWindowLayer.cumulative_length``, an int) moves back by ``removed``."""
-    layer.cumulative_length -= removed
 
 
 def is_static(layer) -> bool:

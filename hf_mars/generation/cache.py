@@ -34,7 +34,6 @@ from ._compat import (
     resize_unallocated_static,
     set_layer_tensors,
     shift_static_length,
-    shift_window_length,
     static_capacity,
 )
 
@@ -214,8 +213,6 @@ class RollbackCache:
                 picked = chunk.gather(2, idx.expand(-1, chunk.shape[1], -1, chunk.shape[3]))
                 kept.append(torch.cat([full[:, :, :start], picked], dim=2))
             set_layer_tensors(layer, *kept)
-            if type(layer) is DynamicSlidingWindowLayer:  # (a tree runs only while untrimmed: `ragged_rows`)
-                shift_window_length(layer, width - index.shape[1])
         self._append(kept_real, index.shape[1], device)
 
     def _append(self, kept_real, keep: int, device) -> None:
@@ -283,8 +280,6 @@ class RollbackCache:
                 shift_static_length(layer, waste)
             else:
                 set_layer_tensors(layer, *picked)
-                if type(layer) is DynamicSlidingWindowLayer:  # (compacted only while untrimmed: `ragged_rows`)
-                    shift_window_length(layer, waste)
         self.attn = self.attn.gather(1, order)
         self.length -= waste
         return True
