@@ -230,3 +230,38 @@ def test_the_served_layout_is_measured_per_number_of_rows_and_an_asked_tree_is_k
     _drive(MARSEngine(model), tok, [(0, PROMPTS[0], 20, None)], default_tau=0.3, mars_verify=True,
            mars_draft_tree="chain")
     assert dict(choices_for(model, 1, "engine")) == before
+
+
+@pytest.mark.parametrize("mode", [MASKS, dict(mars_verify=True), dict(mars_verify=True, mars_draft_tree="2,2,1,1")],
+                         ids=["threshold", "verify", "tree"])
+def test_sliding_window_rows_join_while_their_calls_fit_the_window(mode, monkeypatch):
+    """A model with sliding-window layers (Gemma 3's hybrid cache): requests whose calls fit inside the window share
+    the batch (`RollbackCache.ragged_rows`), joining at different steps with prompts of different lengths, each
+    decoding what it decodes alone (verify: plain greedy); with a window the calls run past, each steps on its own."""
+    from architectures import build
+
+    from hf_mars.generation import engine as engine_module
+    from hf_mars.testing_utils import build_char_tokenizer
+    from hf_mars.training.tokens import set_mars_metadata
+
+    tok, verify = build_char_tokenizer(), bool(mode.get("mars_verify"))
+    default_tau = 0.3 if verify else 0.5
+    arrivals = [(0, PROMPTS[0], 24, None), (0, PROMPTS[1], 6, None), (2, PROMPTS[2], 16, None),
+                (3, PROMPTS[3], 30, 1.0), (7, PROMPTS[4], 12, None)]
+    merged = []
+    monkeypatch.setattr(engine_module, "merge", lambda dec, other: merged.append(1) or dec.merge(other))
+    for window, shared in ((256, True), (12, False)):
+        model = enable_mars(build("gemma3_text", tok, sliding_window=window))
+        set_mars_metadata(model.config, block_size=4, trained_steps=1)
+        merged.clear()
+        if "mars_draft_tree" in mode and not shared:  # (a tree needs the cache to hold its gaps: asked, refused)
+            with pytest.raises(ValueError, match="a sliding window the call does not fit in"):
+                _drive(MARSEngine(model), tok, arrivals, default_tau=default_tau, **mode)
+            continue
+        got = _drive(MARSEngine(model), tok, arrivals, default_tau=default_tau, **mode)
+        assert bool(merged) == shared, (window, len(merged))
+        for _, prompt, max_new, tau in arrivals:
+            tau = default_tau if tau is None else tau
+            assert got[prompt] == _alone(model, tok, prompt, max_new, mars_threshold=tau, **mode), (window, prompt)
+            if tau >= 1.0 or verify:
+                assert got[prompt] == _alone(model, tok, prompt, max_new), (window, prompt)

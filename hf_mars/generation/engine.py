@@ -7,7 +7,8 @@ cache as for any call; the prefill emits its first tokens) and merges it into th
 its cache rows left-padded to the batch's columns, masked). `MARSEngine.step` advances every row one step,
 each at its own tau, and hands back each row's new tokens; finished and cancelled rows leave the batch
 (`keep_rows`). A row whose settings cannot share a batch (processors or criteria that read the
-history, a block-level, sliding-window or static cache) still steps, round-robin beside the batch, on its own.
+history, a block-level or static cache, a sliding window the call does not fit in) still steps, round-robin beside
+the batch, on its own.
 """
 
 from __future__ import annotations
@@ -40,10 +41,14 @@ _with_option_parameters(_first_step)
 
 def joinable(dec) -> bool:
     """Whether a generation's rows can share a batch with other generations' rows: nothing reads the token history
-    (the buffer is per call), nothing holds rows together (stateful clients, block chunks, sliding-window or
-    static caches), no per-step records."""
+    (the buffer is per call), nothing holds rows together (stateful clients, block chunks, static caches, a
+    sliding window the call does not fit in), no per-step records.
+
+    A sliding-window call that fits inside its window (`RollbackCache.ragged_rows`) joins: compaction keeps the
+    merged cache within the longest row's real columns and its slack, each row's columns within its own call's
+    size, so the merged batch never fills a window either and no row's window cuts."""
     return not (dec.history.kept or dec.clients.exact or dec.clients.lagging is not None or dec.shape.block
-                or dec.cache.sliding or dec.cache.static or dec.outputs.records is not None)
+                or not dec.cache.ragged_rows or dec.cache.static or dec.outputs.records is not None)
 
 
 def _settings(dec):
