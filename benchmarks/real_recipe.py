@@ -75,7 +75,7 @@ def main(argv=None) -> int:
               "threads": torch.get_num_threads(), "perplexity_base": real.perplexity(base_model, tokenizer, texts),
               "arms": []}
     verify = {"mars": True, "mars_verify": True, "mars_threshold": DEFAULT_VERIFY_THRESHOLD,
-              "mars_draft_tree": "tree" if real.tree_supported(base_model) else "chain"}
+              "mars_draft_tree": "tree" if real._tree_for(base_model, tokenizer, prompts, args) else "chain"}
     work = Path(tempfile.mkdtemp(prefix="real_recipe-"))
     for rank, lr in args.arms:
         args.lora_rank, args.learning_rate = rank, lr

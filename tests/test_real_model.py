@@ -123,8 +123,9 @@ def test_demo_lora_rank_is_checked_early(plain_base, tmp_path, monkeypatch, caps
 
 
 def test_tree_supported_reads_sliding_window_layers():
-    """The demo asks for a tree where the model's default cache has no sliding-window layers - the rule the
-    decoder refuses a tree by - whether the config lists layer types (Gemma 3) or only a window (Mistral)."""
+    """The demo asks for a tree unless the model's default cache has sliding-window layers its calls do not fit in
+    - the rule the decoder refuses a tree by - whether the config lists layer types (Gemma 3) or only a window
+    (Mistral); asked where it says yes, no call is refused."""
     from types import SimpleNamespace
 
     from transformers import Gemma3TextConfig, MistralConfig
@@ -136,9 +137,25 @@ def test_tree_supported_reads_sliding_window_layers():
         return SimpleNamespace(config=config)
 
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
-    assert tree_supported(model(tiny_qwen2_config(64))) and tree_supported(model(MistralConfig(**small, sliding_window=None)))
-    assert not tree_supported(model(Gemma3TextConfig(**small, num_hidden_layers=6, head_dim=16, sliding_window=8)))
-    assert not tree_supported(model(MistralConfig(**small, sliding_window=8)))
+    gemma = dict(**small, num_hidden_layers=6, head_dim=16)
+    for config in (tiny_qwen2_config(64), MistralConfig(**small, sliding_window=None)):
+        assert tree_supported(model(config), 400, 100, 4)
+    # 10 + 20 + one step's room (3 x 5 candidates + 2) = 47 columns, 53 with the compaction slack
+    for config in (Gemma3TextConfig(**gemma, sliding_window=54), MistralConfig(**small, sliding_window=54)):
+        assert tree_supported(model(config), 10, 20, 4) and not tree_supported(model(config), 11, 20, 4)
+        assert not tree_supported(model(config), 10, 21, 4) and not tree_supported(model(config), 10, 20, 5)
+    from architectures import build
+
+    from hf_mars.generation import enable_mars
+    from hf_mars.testing_utils import build_char_tokenizer
+    from hf_mars.training.tokens import set_mars_metadata
+
+    tok = build_char_tokenizer()
+    gemma3 = enable_mars(build("gemma3_text", tok, sliding_window=54))
+    set_mars_metadata(gemma3.config, block_size=4, trained_steps=1)
+    ids = tok(["the quick brown fox"], return_tensors="pt").input_ids[:, :10]
+    assert tree_supported(gemma3, 10, 20, 4)  # the decoder agrees: the asked tree runs
+    gemma3.generate(input_ids=ids, max_new_tokens=20, mars=True, mars_verify=True, mars_draft_tree="tree")
 
 
 def test_named_base_without_its_package_is_one_clear_error(tmp_path, monkeypatch):

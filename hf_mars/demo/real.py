@@ -235,16 +235,26 @@ def _quality(base_model, mars_model, sft_model, tokenizer, data, args) -> dict:
             "greedy_agreement_mars_vs_base": agreement(mars_ids, base_ids), "greedy": mars_ids}
 
 
-def tree_supported(model) -> bool:
-    """Whether the demo asks verify for a draft tree on this model: not with sliding-window layers (Gemma 3 has
-    five to each global one), whose cache holds the gaps a tree's rejected branches leave only while a call fits
-    inside the window (`hf_mars.generation.tree.refusal`); the demo drafts a chain there, so no prompt of the
-    user's data is refused."""
+def tree_supported(model, prompt_tokens: int, max_new_tokens: int, block_size: int) -> bool:
+    """Whether the demo asks verify for a draft tree on this model's calls (the longest ``prompt_tokens`` long,
+    ``max_new_tokens`` new). Not where sliding-window layers (Gemma 3 has five to each global one) would cut a
+    call: their cache holds the gaps a tree's rejected branches leave only while the call fits inside the window
+    (`hf_mars.generation.cache.call_fits_window`, the rule `hf_mars.generation.tree.refusal` reads); the demo
+    drafts a chain there, so no prompt of the user's data is refused."""
     from transformers import DynamicCache
 
-    from hf_mars.generation.cache import has_sliding_layers
+    from hf_mars.generation.cache import call_fits_window, has_sliding_layers
+    from hf_mars.generation.limits import step_room
 
-    return not has_sliding_layers(DynamicCache(config=model.config))
+    if not has_sliding_layers(DynamicCache(config=model.config)):
+        return True
+    return call_fits_window(model, prompt_tokens + max_new_tokens + step_room(block_size + 1))
+
+
+def _tree_for(model, tokenizer, prompts, args) -> bool:
+    """`tree_supported` for these prompts' calls (encoded as the decoding runs encode them)."""
+    longest = max((len(tokenizer(p)["input_ids"]) for p in prompts), default=0)
+    return tree_supported(model, longest, args.max_new_tokens, args.block_size)
 
 
 def _modes(args, draft_vocab, thresholds=THRESHOLDS, tree: bool = True) -> dict:
@@ -265,7 +275,7 @@ def _decoding(model, tokenizer, prompts, args, draft_vocab) -> dict:
     """Per mode: tokens per forward, share of tokens identical to plain greedy, and whether every answer is."""
     greedy, _ = _greedy_ids(model, tokenizer, prompts, args.max_new_tokens)
     out = {}
-    for name, kwargs in _modes(args, draft_vocab, tree=tree_supported(model)).items():
+    for name, kwargs in _modes(args, draft_vocab, tree=_tree_for(model, tokenizer, prompts, args)).items():
         ids, tpf = _greedy_ids(model, tokenizer, prompts, args.max_new_tokens, **kwargs)
         out[name] = {"tokens_per_forward": tpf, "agreement_with_greedy": agreement(ids, greedy),
                      "identical_to_greedy": ids == greedy}
@@ -280,7 +290,7 @@ def _timing(model, tokenizer, prompts, args, draft_vocab) -> dict:
     def _encode_batches(tokenizer, prompts, size):  # with the tokenizer's BOS, as the decoding runs encode them
         return [tokenizer(prompts[i:i + size], return_tensors="pt", padding=True) for i in range(0, len(prompts), size)]
 
-    seconds, tree = {}, tree_supported(model)
+    seconds, tree = {}, _tree_for(model, tokenizer, prompts, args)
     for bs in (1, 4):
         runs = {"ar": {}, **_modes(args, draft_vocab, THRESHOLDS if bs == 1 else (0.9,), tree)}
         batches = _encode_batches(tokenizer, prompts, bs)

@@ -32,4 +32,10 @@ class Limits:
         # candidate slots a step can read: verify's pending drafts, the AR token and the new drafts
         self.max_slots = 2 * shape.max_drafts + 1 if verify else shape.candidates
         self.buf_len = prompt_len + max(self.max_new, 0) + self.max_slots + 2  # the history buffer's columns
-        self.step_room = 3 * shape.candidates + 2  # cache columns one step may write (an upper bound)
+        self.step_room = step_room(shape.candidates)
+
+
+def step_room(candidates: int) -> int:
+    """Cache columns one step may write, an upper bound (verify's pending drafts, the AR token, the new drafts and
+    masks, each at most ``candidates``), for a call's size before it runs (`cache.call_fits_window`)."""
+    return 3 * candidates + 2
