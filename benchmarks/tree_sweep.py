@@ -12,6 +12,8 @@ over plain decoding with no loop overhead.
     hf-mars demo --output-dir runs/demo
     python benchmarks/tree_sweep.py --model runs/demo/mars-checkpoint --output benchmarks/tree_sweep.json
 
+``--prompts FILE`` takes a user's prompts instead of the bundled tasks' (a pretrained base's real-text openings).
+
 ``--short-process LAYOUT`` times something else: verify's default 'auto' measures layouts per call
 (`hf_mars.generation.policy.CallRecord`), and in a short process its warm-up is most of its life. One plain warm-up
 call, then ``--passes`` passes over the prompts at the first batch size with ``mars_draft_tree=LAYOUT``, timed per
@@ -66,7 +68,7 @@ def run(args):
     tok = AutoTokenizer.from_pretrained(args.model)
     model = enable_mars(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval())
     depth = model.config.mars["block_size"]  # verify reads B masks (the last one too) by default
-    records = load_prompts(limit=args.num_prompts)
+    records = load_prompts(args.prompts, limit=args.num_prompts)
     ids = encode_prompts(tok, [r["prompt"] for r in records])
     settings = {"plain": {}} | {s: {"mars_verify": True, "mars_draft_tree": s} for s in args.shapes}
     result = {"model": args.model, "threads": args.threads, "num_prompts": len(ids), "repeats": args.repeats,
@@ -140,7 +142,7 @@ def short_process(args):
     tok = AutoTokenizer.from_pretrained(args.model)
     model = enable_mars(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval())
     b = args.batch_sizes[0]
-    calls = batches(tok, encode_prompts(tok, [r["prompt"] for r in load_prompts(limit=args.num_prompts)]), b)
+    calls = batches(tok, encode_prompts(tok, [r["prompt"] for r in load_prompts(args.prompts, args.num_prompts)]), b)
     kw = dict(mars=True, mars_verify=True, max_new_tokens=args.max_new_tokens, do_sample=False,
               mars_draft_tree=args.short_process)
     with torch.inference_mode():  # a user's first call pays the process's start-up; not what is timed here
@@ -160,6 +162,9 @@ def short_process(args):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
+    p.add_argument("--prompts", default=None,
+                   help="prompt file (.txt, .jsonl, .json: `hf_mars.bench.prompts.load_prompts`; a base model's plain "
+                        "text goes in without a chat template); default: the bundled tasks' held-out prompts")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
