@@ -170,8 +170,9 @@ def test_named_base_without_its_package_is_one_clear_error(tmp_path, monkeypatch
 
 @pytest.mark.skipif(not HAS_GEMMA, reason="the gemma3 extra is not installed (CI's real-model step installs it)")
 def test_gemma3_270m_mars_steps_then_verify_is_greedy():
-    """The real thing, small: convert (cached), distil three continuations, two MARS steps, then τ = 1, verify and
-    verify with a draft vocabulary all equal plain greedy, on prompts longer than nothing and a batch of one."""
+    """The real thing, small: convert (cached), distil three continuations, two MARS steps, then τ = 1, verify,
+    verify with a draft vocabulary and a draft tree (on Gemma 3's sliding-window layers) all equal plain greedy, on
+    prompts longer than nothing and a batch of one."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -201,7 +202,8 @@ def test_gemma3_270m_mars_steps_then_verify_is_greedy():
     for prompt in [real_text.opening(t, 12) for t in held[:2]]:
         enc = tok(prompt, return_tensors="pt")
         greedy = model.generate(**enc, max_new_tokens=12, do_sample=False)
-        for kw in ({"mars_threshold": 1.0}, {"mars_verify": True}, {"mars_verify": True, "mars_draft_vocab": vocab}):
+        for kw in ({"mars_threshold": 1.0}, {"mars_verify": True}, {"mars_verify": True, "mars_draft_vocab": vocab},
+                   {"mars_verify": True, "mars_draft_tree": "tree"}):  # (a tree: the call fits the 512 window)
             assert torch.equal(model.generate(**enc, max_new_tokens=12, do_sample=False, mars=True, **kw), greedy), kw
 
 
