@@ -12,8 +12,8 @@ A mask's prediction depends only on the path before it, so the candidates at dep
 parent; a static shape (k_1, ..., k_D) is the product of each depth's top-k_d (`Tree.grow`). Greedy output is
 plain greedy's: every emitted token is the AR argmax at its exact prefix (`rules.accepted_path`, applied by
 `acceptor.accept` with the next candidates read from the path's masks). Sampling, processors that read the token
-history and caches that cannot take a gathered path (static, sliding-window) decode with the chain instead
-(`refusal`).
+history and caches that cannot take a gathered path (static, a sliding window the call does not fit in) decode
+with the chain instead (`refusal`).
 
 This module lays a tree step out (`TreeDecoder.plan_tree`, its attention) and keeps the accepted path's cache
 columns (`TreeDecoder.keep_paths`); it decides nothing.
@@ -194,7 +194,7 @@ class TreeDecoder(MARSDecoder):
     def auto_record(self, synced: bool) -> str | None:
         """Which record verify's default 'auto' takes this call's layout from: "call" (the tree, the chain or plain
         steps) where a tree can run; "call-chain" (the chain or plain steps) where a tree was refused for the model
-        alone (a sliding-window cache, as Gemma 3's; an attention without 4D masks): weak masks or a costly wide
+        alone (a sliding window the call does not fit in, as Gemma 3's; an attention without 4D masks): weak masks or a costly wide
         step may not pay there either. None: the call's own layout (also where its options refuse a tree:
         sampling, the static cache, processors that read the history)."""
         if synced or self.opts.draft_tree != "auto" or not self.opts.verify or self.shape.one_token:
