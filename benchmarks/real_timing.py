@@ -3,9 +3,9 @@
 `benchmarks/real_recipe.py --save-dir` keeps checkpoints trained longer than the demo's 80 steps; this script
 measures one of them with the demo's own decoding and timing code (`hf_mars.demo.real`), so the figures compare
 with the demo's table: tokens per forward and agreement with greedy per mode on the held-out openings, then
-seconds against plain `generate` in float32 at batch 1 and 4 and in bfloat16 at batch 1 (one interleaved pass per
-repeat), verify as the chain with and without the draft vocabulary, and the step-cost curve split into body and LM
-head.
+seconds against plain `generate` in float32 at batch 1 and 4, and at batch 1 in bfloat16 and in float32 on
+oneDNN's kernels (one interleaved pass per repeat), verify as the chain and the tree with and without the draft
+vocabulary, and the step-cost curve split into body and LM head (MKL's and oneDNN's).
 
 The draft vocabulary is the demo's: the most frequent tokens of the distilled answers the checkpoint was trained
 on, rebuilt here from the base with the same ``--steps`` / ``--batch-size`` / ``--seed`` (distillation is greedy,
@@ -42,12 +42,15 @@ def main(argv=None) -> int:
     parser.add_argument("--write-vocab", action="store_true",
                         help="save the draft vocabulary with the checkpoint as verify mode's default")
     parser.add_argument("--no-measure", action="store_true", help="only build (and with --write-vocab, save) it")
+    parser.add_argument("--saved-vocab", action="store_true",
+                        help="use the vocabulary an earlier --write-vocab saved with the checkpoint (no distillation)")
     args = parser.parse_args(argv)
 
     import torch
     from transformers import set_seed
     from transformers.utils import logging as hf_logging
 
+    from hf_mars.bench.kernels import onednn_available
     from hf_mars.demo import real
     from hf_mars.demo.pipeline import _base_folder
     from hf_mars.generation import DEFAULT_VERIFY_THRESHOLD, enable_mars
@@ -58,15 +61,22 @@ def main(argv=None) -> int:
     args.dataset, args.verify_threshold = None, DEFAULT_VERIFY_THRESHOLD
     t0 = time.time()
     set_seed(args.seed)
-    base_model, base_tokenizer = real._load(_base_folder(args.base))
-    data = real._data(base_model, base_tokenizer, args)
-    del base_model
-    vocab, prompts = data["draft_vocab"], data["held_prompts"]
-    print(f"draft vocabulary: {len(vocab)} tokens from {len(data['train'])} pairs in {time.time() - t0:.0f}s", flush=True)
-    if args.no_measure:
-        return _write_vocab(args, vocab)
-
-    model, tokenizer = real._load(args.model)
+    if args.saved_vocab:
+        model, tokenizer = real._load(args.model)
+        vocab = model.generation_config.mars_draft_vocab
+        if not vocab:
+            parser.error(f"--saved-vocab: {args.model} has no saved mars_draft_vocab (save one with --write-vocab)")
+        prompts = real.held_out_prompts(args.num_eval)
+    else:
+        base_model, base_tokenizer = real._load(_base_folder(args.base))
+        data = real._data(base_model, base_tokenizer, args)
+        del base_model
+        vocab, prompts = data["draft_vocab"], data["held_prompts"]
+        print(f"draft vocabulary: {len(vocab)} tokens from {len(data['train'])} pairs in {time.time() - t0:.0f}s",
+              flush=True)
+        if args.no_measure:
+            return _write_vocab(args, vocab)
+        model, tokenizer = real._load(args.model)
     enable_mars(model)
     model.generation_config.mars_draft_vocab = None  # (one saved earlier would serve the rows measured without it)
     args.block_size = model.generation_config.mars_block_size
@@ -74,6 +84,8 @@ def main(argv=None) -> int:
               "decoding": real._decoding(model, tokenizer, prompts, args, vocab)}
     print(json.dumps(report["decoding"]), flush=True)
     report["step_costs"] = real.step_costs(model)
+    if onednn_available():
+        report["step_costs_onednn"] = real.step_costs(real.onednn_copy(model))
     report["timing"] = real._timing(model, tokenizer, prompts[:args.timing_prompts], args, vocab)
     report["timing_prompts"], report["timing_repeats"] = args.timing_prompts, args.timing_repeats
     for setting, seconds in report["timing"].items():

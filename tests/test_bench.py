@@ -172,6 +172,24 @@ def test_make_batches_left_pads_and_cycles():
     assert len(bench.make_batches([[1]] * 5, batch_size=2, pad_id=0)) == 3
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+def test_kernels_onednn_times_every_row_on_the_converted_model(tmp_path, checkpoint):
+    """`--kernels onednn`: plain generate and MARS both on oneDNN's linear kernels (`hf_mars.bench.kernels`),
+    verify and tau = 1 still plain greedy there, the model's size counted with the converted weights."""
+    out = tmp_path / "bench.json"
+    common = ["bench", "--model", str(checkpoint), "--batch-sizes", "1", "--thresholds", "1.0", "--caches", "sliding",
+              "--max-new-tokens", "8", "--num-prompts", "2", "--repeats", "1", "--warmup", "0", "--cost-repeats", "1",
+              "--threads", "1", "--quiet", "--peers", "prompt_lookup"]
+    assert cli_main(common + ["--output", str(tmp_path / "default.json")]) == 0
+    assert cli_main(common + ["--kernels", "onednn", "--output", str(out)]) == 0
+    result, default = json.loads(out.read_text()), json.loads((tmp_path / "default.json").read_text())
+    assert result["settings"]["kernels"] == "onednn" and default["settings"]["kernels"] == "default"
+    assert result["model"]["parameters"] == default["model"]["parameters"]
+    rows = result["rows"]
+    assert {r["mode"] for r in rows} == {"ar", "prompt_lookup", "mars", "verify"}
+    assert all(r["matches_ar"] == 1.0 for r in rows if r["mode"] == "verify" or r["threshold"] == 1.0)
+
+
 def test_bad_arguments(tmp_path, make_model, capsys):
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         bench.build_specs([1.5], ["sliding"], [], None, 16)
@@ -188,6 +206,7 @@ def test_bad_arguments(tmp_path, make_model, capsys):
 
     one_line_error(["bench", "--model", str(tmp_path / "nope")], "not a folder")
     one_line_error(["bench", "--model", str(tmp_path / "nope"), "--num-prompts", "0"], "--num-prompts must be >= 1")
+    one_line_error(["bench", "--model", str(tmp_path / "nope"), "--kernels", "onednn"], "--peers prompt_lookup")
     model, tok = make_model(with_mask=False, hidden_size=32)
     model.save_pretrained(tmp_path / "plain")
     tok.save_pretrained(tmp_path / "plain")

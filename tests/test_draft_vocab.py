@@ -42,6 +42,29 @@ def test_verify_with_a_draft_vocabulary_is_plain_greedy(peaky, tree):
             assert torch.equal(out, plain), (name, prompts)
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+def test_a_head_on_onednn_kernels_drafts_from_its_rows_and_stays_greedy(peaky):
+    """`torch.utils.mkldnn.to_mkldnn` (a CPU speed-up the demo times: `hf_mars.demo.real.onednn_copy`) keeps every
+    linear layer's weight in oneDNN's own layout, which cannot be indexed: the draft vocabulary gathers its rows
+    from a dense view, and verify with it on that model is that model's plain greedy, tree or chain."""
+    from hf_mars.demo.real import onednn_copy
+
+    model, tok = peaky
+    tok.padding_side = "left"
+    fast = onednn_copy(model)
+    assert fast.get_output_embeddings().weight.is_mkldnn
+    vocab = _vocabularies(model, tok)["own-output"]
+    listed = DraftVocabulary(fast, tuple(vocab), model.config.mars["mask_token_id"])
+    torch.testing.assert_close(listed.weight, model.get_output_embeddings().weight.detach()[listed.ids])
+    with torch.inference_mode():
+        for prompts in (PROMPTS[:1], PROMPTS):
+            enc = tok(prompts, return_tensors="pt", padding=True)
+            plain = _greedy(fast, enc, mars=False)
+            for tree in ("chain", "tree"):
+                out = _greedy(fast, enc, mars=True, mars_verify=True, mars_draft_tree=tree, mars_draft_vocab=vocab)
+                assert torch.equal(out, plain), (tree, prompts)
+
+
 def test_mask_columns_see_only_the_draft_vocabulary(peaky):
     """The split head itself: on [prompt | masks], real columns equal the plain head's logits, mask columns equal
     them on the listed ids and are -inf elsewhere."""

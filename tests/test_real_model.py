@@ -68,7 +68,9 @@ def test_demo_on_a_base_without_chat_template_runs_the_real_text_pipeline(plain_
     assert set(report["verify_modes"]) == {"chain", "tree", "chain+vocab", "tree+vocab"}
     assert all(v["identical_to_greedy"] for v in report["verify_modes"].values())  # lossless, vocabulary or not
     assert report["draft_vocab"]["size"] >= 1 and set(report["step_costs"]) == {"1", "5", "9", "17"}
-    assert set(report["timing"]["seconds"]) == {"1", "4", "1-bf16"}
+    assert set(report["timing"]["seconds"]) == {"1", "4", "1-bf16", "1-onednn"}
+    assert set(report["step_costs_onednn"]) == {"1", "5", "9", "17"}
+    assert all("speedup_vs_ar_onednn" in v for v in report["verify_modes"].values())
     config = json.loads((out / "mars-checkpoint" / "config.json").read_text())
     assert config["mars"]["mask_token_id"] is not None and (out / "pareto.png").is_file()
     assert "perplexity" in (out / "mars-checkpoint" / "README.md").read_text()

@@ -6,6 +6,7 @@
 - `prompts`: prompt files normalised to records (with answers, accuracy is reported), tokenised and batched;
 - `tasks`: the bundled, exactly checkable instruction tasks (the default prompt set; the demo trains on them);
 - `timing`: the one timing harness (forward counts and times, step costs, interleaved timing, the machine);
+- `kernels`: `to_onednn`, a model's linear layers on oneDNN's kernels for CPU decoding (`--kernels onednn`);
 - `report`: `BenchmarkReport`, the demo's and the bench's JSON read as one typed report, and the model card's table.
 
 Names load lazily, so that reading a report (`hf_mars.model_card`) does not import the benchmark.
@@ -34,6 +35,7 @@ _EXPORTS = {
     "measure_step_cost": "timing",
     "measure_step_costs": "timing",
     "time_interleaved": "timing",
+    "to_onednn": "kernels",
     "BenchmarkReport": "report",
     "Measurement": "report",
     "add_arguments": "command",

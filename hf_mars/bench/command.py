@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from hf_mars.bench.kernels import KERNELS
 from hf_mars.bench.measure import benchmark_generation
 from hf_mars.bench.prompts import load_prompts
 from hf_mars.bench.specs import DEFAULT_ACCEPTANCE, PEERS
@@ -76,6 +77,10 @@ def add_arguments(parser):
     parser.add_argument("--device", default="cpu", help="Device the model runs on.")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="The model's dtype.")
+    parser.add_argument("--kernels", default="default", choices=list(KERNELS),
+                        help="onednn: every configuration (plain generate and its peers too) runs with the model's "
+                             "linear layers on oneDNN's kernels (torch.utils.mkldnn; CPU, eager, inference only): on "
+                             "some CPUs MKL's few-row float32 matmuls are slow, a MARS step's most of all.")
     parser.add_argument("--no-chat-template", action="store_true", help="Feed text prompts raw instead of as a user turn.")
     parser.add_argument("--output", default=None, help="Write the JSON result here.")
     parser.add_argument("--quiet", action="store_true", help="No progress bar.")
@@ -89,6 +94,9 @@ def run(args):
     for flag in ("num_prompts", "max_new_tokens", "repeats"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}.")
+    if args.kernels == "onednn" and "static_compile" in args.peers:
+        raise ValueError("--kernels onednn times eager steps; the static_compile peer (and MARS compiled beside it) "
+                         "would trace the converted layers: pass --peers prompt_lookup (or --peers with none).")
     if not Path(args.model).is_dir():
         raise ValueError(f"--model {args.model!r} is not a folder; pass a saved checkpoint directory.")
     from transformers import AutoConfig
@@ -102,6 +110,10 @@ def run(args):
     from hf_mars.generation import enable_mars
 
     enable_mars(model)
+    if args.kernels == "onednn":
+        from hf_mars.bench.kernels import to_onednn
+
+        to_onednn(model)
     prompts = load_prompts(args.prompts)
     result = benchmark_generation(
         model, tokenizer, prompts, thresholds=args.thresholds, batch_sizes=args.batch_sizes, caches=args.caches,
@@ -113,6 +125,7 @@ def run(args):
         log=None if args.quiet else lambda msg: print(f"hf-mars bench: {msg}", file=sys.stderr, flush=True),
     )
     result["settings"]["model_path"] = str(args.model)
+    result["settings"]["kernels"] = args.kernels
     result["settings"]["prompts_path"] = args.prompts
     print(format_table(result))
     if args.output:

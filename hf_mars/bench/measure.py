@@ -32,6 +32,7 @@ import torch
 from hf_mars.bench.figures import relative_figures, summarise_runs
 from hf_mars.bench.prompts import encode_prompts, load_prompts, make_batches, score_record, to_record
 from hf_mars.bench.specs import DEFAULT_ACCEPTANCE, RunSpec, build_specs
+from hf_mars.bench.kernels import parameter_count
 from hf_mars.bench.timing import ForwardRecorder, _sync, count_emitted, machine_info, measure_step_costs
 from hf_mars.generation import DEFAULT_CACHE_BLOCK, DEFAULT_VERIFY_THRESHOLD
 from hf_mars.generation.policy import choices_for
@@ -104,7 +105,7 @@ def _model_size(model) -> dict:
     cfg = model.config
     return {
         "class": type(model).__name__,
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": parameter_count(model),
         "hidden_size": getattr(cfg, "hidden_size", None),
         "num_hidden_layers": getattr(cfg, "num_hidden_layers", None),
         "vocab_size": getattr(cfg, "vocab_size", None),

@@ -49,6 +49,7 @@ def run(args, base: Path, out: Path) -> int:
     import torch
     from transformers import set_seed
 
+    from hf_mars.bench.kernels import onednn_available
     from hf_mars.generation import enable_mars
 
     resolve_sizes(args)
@@ -72,7 +73,9 @@ def run(args, base: Path, out: Path) -> int:
     decoding = _decoding(mars_model, tokenizer, data["held_prompts"], args, data["draft_vocab"])
     _log("4/5 decoding: " + ", ".join(f"{k} {v['tokens_per_forward']:.2f} tok/fwd" for k, v in decoding.items()))
     timing = _timing(mars_model, tokenizer, data["held_prompts"][:args.timing_prompts], args, data["draft_vocab"])
-    costs = step_costs(mars_model)
+    costs = {"float32": step_costs(mars_model)}
+    if onednn_available():
+        costs["onednn"] = step_costs(onednn_copy(mars_model))
     report = _report(args, base, quality, decoding, timing, data, costs, mars_s, sft_s)
     _log("5/5 writing outputs")
     ckpt = _write(report, out, mars_model, tokenizer, data["held_prompts"][0], data["draft_vocab"])
@@ -113,10 +116,18 @@ def _data(base_model, tokenizer, args) -> dict:
     prompts = [real_text.opening(rng.choice(train), rng.randint(8, 24)) for _ in range(n_train)]
     t0 = time.time()
     pairs = real_text.distill(base_model, tokenizer, prompts, args.max_new_tokens, batch_size=32)
-    held_prompts = [real_text.opening(text) for text in held[:args.num_eval]]
+    held_prompts = held_out_prompts(args.num_eval, held)
     return {"train": pairs, "seconds": time.time() - t0, "held_prompts": held_prompts,
             "held_text": held[:max(args.num_eval, 8)], "draft_vocab": _draft_vocab(pairs),
             "source": "self-distilled: the base's greedy continuations of Python's language reference"}
+
+
+def held_out_prompts(count: int, held=None) -> list[str]:
+    """The openings of the first ``count`` held-out topics: the prompts every decoding figure is measured on."""
+    from hf_mars.demo import real_text
+
+    held = real_text.split()[1] if held is None else held
+    return [real_text.opening(text) for text in held[:count]]
 
 
 def _draft_vocab(pairs, coverage: float = 0.99) -> list[int]:
@@ -284,7 +295,9 @@ def _decoding(model, tokenizer, prompts, args, draft_vocab) -> dict:
 
 def _timing(model, tokenizer, prompts, args, draft_vocab) -> dict:
     """Seconds per setting, interleaved (``time_interleaved``): float32 at batch 1 and 4 (plain generate, each
-    mode), and bfloat16 at batch 1 (plain generate and verify), on a bf16 copy of the model."""
+    mode); then at batch 1 plain generate and verify on two copies of the model: bfloat16 (``1-bf16``) and float32
+    with its linear layers on oneDNN kernels (``1-onednn``, `onednn_copy`)."""
+    from hf_mars.bench.kernels import onednn_available
     from hf_mars.bench.timing import time_interleaved
 
     def _encode_batches(tokenizer, prompts, size):  # with the tokenizer's BOS, as the decoding runs encode them
@@ -296,26 +309,43 @@ def _timing(model, tokenizer, prompts, args, draft_vocab) -> dict:
         batches = _encode_batches(tokenizer, prompts, bs)
         seconds[str(bs)] = time_interleaved(model, batches, runs, args.timing_repeats,
                                             max_new_tokens=args.max_new_tokens)
-    half = _bf16_copy(model)
     runs = {"ar": {}, **_modes(args, draft_vocab, (), tree)}
-    seconds["1-bf16"] = time_interleaved(half, _encode_batches(tokenizer, prompts, 1), runs, args.timing_repeats,
-                                         max_new_tokens=args.max_new_tokens)
-    del half
+    copies = {"1-bf16": _bf16_copy, **({"1-onednn": onednn_copy} if onednn_available() else {})}
+    for setting, make_copy in copies.items():
+        other = make_copy(model)
+        seconds[setting] = time_interleaved(other, _encode_batches(tokenizer, prompts, 1), runs, args.timing_repeats,
+                                            max_new_tokens=args.max_new_tokens)
+        del other
     return seconds
 
 
-def _bf16_copy(model):
-    """A bfloat16 copy built from the config and the weights: a deep copy would keep the instance-level forward
-    TRL's trainer installs (fused LM head), whose closure still calls the float32 original."""
-    import torch
+def _copy(model, dtype):
+    """A copy built from the config and the weights: a deep copy would keep the instance-level forward TRL's
+    trainer installs (fused LM head), whose closure still calls the original."""
     from transformers import AutoModelForCausalLM
 
     from hf_mars.generation import enable_mars
 
-    half = AutoModelForCausalLM.from_config(model.config, dtype=torch.bfloat16)
-    half.load_state_dict(model.state_dict())
-    half.generation_config = copy.deepcopy(model.generation_config)
-    return enable_mars(half.eval())
+    other = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+    other.load_state_dict(model.state_dict())
+    other.generation_config = copy.deepcopy(model.generation_config)
+    return enable_mars(other.eval())
+
+
+def _bf16_copy(model):
+    import torch
+
+    return _copy(model, torch.bfloat16)
+
+
+def onednn_copy(model):
+    """A float32 copy with its linear layers on oneDNN's kernels (`hf_mars.bench.kernels`: on some CPUs MKL's
+    few-row float32 matmuls are slow, a MARS step's most of all); inference only."""
+    import torch
+
+    from hf_mars.bench.kernels import to_onednn
+
+    return to_onednn(_copy(model, torch.float32))
 
 
 def step_costs(model, widths=(1, 5, 9, 17), past_len: int = 32, repeats: int = 6) -> dict:
@@ -363,7 +393,9 @@ def _report(args, base, quality, decoding, timing, data, costs, mars_s, sft_s) -
     def speedup(bs, name):
         return timing[bs]["ar"] / timing[bs][name]
 
-    fastest_plain = min(("float32", timing["1"]["ar"]), ("bfloat16", timing["1-bf16"]["ar"]), key=lambda x: x[1])
+    plain_paths = {"1": "float32", "1-bf16": "bfloat16", "1-onednn": "float32 on oneDNN"}  # batch 1, each copy
+    timed = [setting for setting in plain_paths if setting in timing]
+    fastest_plain = min(((plain_paths[s], timing[s]["ar"]) for s in timed), key=lambda x: x[1])
     rows = [{"threshold": tau, "accuracy": decoding[f"tau={tau:g}"]["agreement_with_greedy"],
              "tokens_per_forward": decoding[f"tau={tau:g}"]["tokens_per_forward"],
              "identical_to_greedy": decoding[f"tau={tau:g}"]["identical_to_greedy"],
@@ -371,10 +403,11 @@ def _report(args, base, quality, decoding, timing, data, costs, mars_s, sft_s) -
     verify = {}
     for mode in (m for m in VERIFY_MODES if f"verify:{m}" in decoding):  # no tree where the cache allows none
         name, measured = f"verify:{mode}", decoding[f"verify:{mode}"]
-        best = min(timing["1"][name], timing["1-bf16"][name])
+        best = min(timing[s][name] for s in timed)
         verify[mode] = {"accuracy": measured["agreement_with_greedy"], "tokens_per_forward": measured["tokens_per_forward"],
                         "identical_to_greedy": measured["identical_to_greedy"], "speedup_vs_ar": speedup("1", name),
                         "speedup_vs_ar_batch_4": speedup("4", name), "speedup_vs_ar_bf16": speedup("1-bf16", name),
+                        **({"speedup_vs_ar_onednn": speedup("1-onednn", name)} if "1-onednn" in timing else {}),
                         "speedup_vs_fastest_plain": fastest_plain[1] / best}
     default = max(verify, key=lambda m: verify[m]["speedup_vs_ar"])
     ppl, vocab = quality["perplexity"], data["draft_vocab"]
@@ -388,7 +421,7 @@ def _report(args, base, quality, decoding, timing, data, costs, mars_s, sft_s) -
         "draft_vocab": {"size": len(vocab), "coverage_of_training_answers": 0.99,
                         "coverage_of_held_out_greedy": quality["coverage"](vocab)},
         "fastest_plain_batch_1": fastest_plain[0],
-        "step_costs": costs,
+        "step_costs": costs["float32"], **({"step_costs_onednn": costs["onednn"]} if "onednn" in costs else {}),
         "timing": {"prompts": args.timing_prompts, "repeats": args.timing_repeats,
                    "seconds": {bs: {k: round(v, 4) for k, v in t.items()} for bs, t in timing.items()},
                    "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),

@@ -63,6 +63,13 @@ def _head_attribute(model) -> str:
                      f"{type(model).__name__} keeps it elsewhere.")
 
 
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    """A head's weight as a strided tensor to gather rows from: a head on oneDNN kernels
+    (`torch.utils.mkldnn.to_mkldnn`) keeps its weight in oneDNN's own layout, which cannot be indexed."""
+    tensor = tensor.detach()
+    return tensor.to_dense() if tensor.is_mkldnn else tensor
+
+
 class DraftVocabulary:
     """The draft vocabulary of one generation: the head's K rows, gathered once."""
 
@@ -73,9 +80,9 @@ class DraftVocabulary:
         check_fits(ids, weight.shape[0])
         keep = [t for t in ids if t != mask_id]  # the mask is never a draft
         self.ids = torch.tensor(keep, dtype=torch.long, device=weight.device)
-        self.weight = weight.detach()[self.ids].contiguous()
+        self.weight = _dense(weight)[self.ids].contiguous()
         bias = getattr(self.head, "bias", None)
-        self.bias = None if bias is None else bias.detach()[self.ids].contiguous()
+        self.bias = None if bias is None else _dense(bias)[self.ids].contiguous()
         self.mask_id, self.mask_columns = mask_id, None
         self.split = _SplitHead(self)  # (built once: it goes in and out of the model every decode forward)
 
