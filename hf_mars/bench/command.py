@@ -95,8 +95,8 @@ def run(args):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}.")
     if args.kernels == "onednn" and "static_compile" in args.peers:
-        raise ValueError("--kernels onednn times eager steps; the static_compile peer (and MARS compiled beside it) "
-                         "would trace the converted layers: pass --peers prompt_lookup (or --peers with none).")
+        raise ValueError("--kernels onednn times eager steps; compiling the converted layers (the static_compile peer, "
+                         "MARS compiled beside it) is not supported: pass --peers prompt_lookup (or --peers alone).")
     if not Path(args.model).is_dir():
         raise ValueError(f"--model {args.model!r} is not a folder; pass a saved checkpoint directory.")
     from transformers import AutoConfig

@@ -310,42 +310,36 @@ def _timing(model, tokenizer, prompts, args, draft_vocab) -> dict:
         seconds[str(bs)] = time_interleaved(model, batches, runs, args.timing_repeats,
                                             max_new_tokens=args.max_new_tokens)
     runs = {"ar": {}, **_modes(args, draft_vocab, (), tree)}
-    copies = {"1-bf16": _bf16_copy, **({"1-onednn": onednn_copy} if onednn_available() else {})}
-    for setting, make_copy in copies.items():
-        other = make_copy(model)
+    copies = {"1-bf16": {"dtype": "bfloat16"}, **({"1-onednn": {"onednn": True}} if onednn_available() else {})}
+    for setting, how in copies.items():
+        other = _copy(model, **how)
         seconds[setting] = time_interleaved(other, _encode_batches(tokenizer, prompts, 1), runs, args.timing_repeats,
                                             max_new_tokens=args.max_new_tokens)
         del other
     return seconds
 
 
-def _copy(model, dtype):
-    """A copy built from the config and the weights: a deep copy would keep the instance-level forward TRL's
-    trainer installs (fused LM head), whose closure still calls the original."""
+def _copy(model, dtype: str = "float32", onednn: bool = False):
+    """A copy built from the config and the weights (a deep copy would keep the instance-level forward TRL's
+    trainer installs, fused LM head, whose closure still calls the original); ``onednn``: its linear layers on
+    oneDNN's kernels (`hf_mars.bench.kernels`: on some CPUs MKL's few-row float32 matmuls are slow, a MARS step's
+    most of all), for inference only."""
+    import torch
     from transformers import AutoModelForCausalLM
 
+    from hf_mars.bench.kernels import to_onednn
     from hf_mars.generation import enable_mars
 
-    other = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+    other = AutoModelForCausalLM.from_config(model.config, dtype=getattr(torch, dtype))
     other.load_state_dict(model.state_dict())
     other.generation_config = copy.deepcopy(model.generation_config)
-    return enable_mars(other.eval())
-
-
-def _bf16_copy(model):
-    import torch
-
-    return _copy(model, torch.bfloat16)
+    other = enable_mars(other.eval())
+    return to_onednn(other) if onednn else other
 
 
 def onednn_copy(model):
-    """A float32 copy with its linear layers on oneDNN's kernels (`hf_mars.bench.kernels`: on some CPUs MKL's
-    few-row float32 matmuls are slow, a MARS step's most of all); inference only."""
-    import torch
-
-    from hf_mars.bench.kernels import to_onednn
-
-    return to_onednn(_copy(model, torch.float32))
+    """A float32 copy of ``model`` on oneDNN's linear kernels (`_copy`)."""
+    return _copy(model, onednn=True)
 
 
 def step_costs(model, widths=(1, 5, 9, 17), past_len: int = 32, repeats: int = 6) -> dict:
