@@ -303,3 +303,36 @@ def test_legacy_completions_endpoint_batches_through_mars_too(server, tiny):
     want = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     got = client.completions.create(model="tiny", prompt="Reverse: abc", max_tokens=20, temperature=0)
     assert got.choices[0].text == want
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+def test_onednn_kernels_serve_the_converted_model_and_answer_like_its_greedy(tmp_path, capsys):
+    """`--kernels onednn`: the served model's linear layers on oneDNN's kernels (`use_kernels` in the loader's
+    prepare step), lossless answers equal to that model's own plain greedy; refused at start-up off the CPU."""
+    from hf_mars.bench.kernels import to_onednn
+    from hf_mars.cli import main
+
+    assert main(["serve", "no-such-model", "--kernels", "onednn", "--device", "cuda"]) == 2
+    assert "for a model on the CPU" in capsys.readouterr().err
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_mars import add_mask_token
+    from hf_mars.demo.pipeline import base_model_path
+
+    # the demo's shipped base (a Qwen2: nn.Linear layers, all converted; its answers are text, not blank)
+    model, tok = AutoModelForCausalLM.from_pretrained(base_model_path()), AutoTokenizer.from_pretrained(base_model_path())
+    add_mask_token(model, tok)
+    ckpt = save_checkpoint(model, tok, tmp_path / "ckpt")
+    converted = to_onednn(model.eval())
+    assert type(converted.lm_head).__name__ == "MkldnnLinear"
+    proc, port = _start(ckpt, tmp_path, "--lossless", "--kernels", "onednn")
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        for prompt in PROMPTS[:2]:
+            want = tok.decode(_plain(converted, tok, prompt, 24), skip_special_tokens=True)
+            assert _chat(client, prompt, n=24) == want
+    finally:
+        proc.terminate()
+        banner = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0 and "lossless (verify), onednn kernels" in banner

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from hf_mars.bench.kernels import KERNELS
+from hf_mars.bench.kernels import KERNELS, use_kernels
 from hf_mars.bench.measure import benchmark_generation
 from hf_mars.bench.prompts import load_prompts
 from hf_mars.bench.specs import DEFAULT_ACCEPTANCE, PEERS
@@ -109,11 +109,7 @@ def run(args):
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     from hf_mars.generation import enable_mars
 
-    enable_mars(model)
-    if args.kernels == "onednn":
-        from hf_mars.bench.kernels import to_onednn
-
-        to_onednn(model)
+    use_kernels(enable_mars(model), args.kernels)
     prompts = load_prompts(args.prompts)
     result = benchmark_generation(
         model, tokenizer, prompts, thresholds=args.thresholds, batch_sizes=args.batch_sizes, caches=args.caches,

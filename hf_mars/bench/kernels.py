@@ -1,5 +1,5 @@
-"""A model's linear layers on oneDNN's kernels, for decoding on a CPU (`hf-mars bench --kernels onednn`, the demo's
-``1-onednn`` timing).
+"""A model's linear layers on oneDNN's kernels, for decoding on a CPU (`hf-mars bench --kernels onednn`,
+`hf-mars serve --kernels onednn`, the demo's ``1-onednn`` timing).
 
 Why: PyTorch's CPU build sends a float32 matmul to MKL's sgemm, which on some CPUs (measured: an AVX2-only AMD
 EPYC, torch 2.13) is slow for the few-row products decoding does, and slower the more rows: a 262,144-row LM head
@@ -46,6 +46,14 @@ def to_onednn(model):
         from torch.utils import mkldnn
 
         return mkldnn.to_mkldnn(model, dtype)
+
+
+def use_kernels(model, kernels: str):
+    """``model`` on the named kernels (`KERNELS`): unchanged for ``"default"``, `to_onednn` for ``"onednn"``.
+    The one place a ``--kernels`` choice is applied (`hf-mars bench`, `hf-mars serve`)."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(KERNELS)}; got {kernels!r}.")
+    return to_onednn(model) if kernels == "onednn" else model
 
 
 def parameter_count(model) -> int:

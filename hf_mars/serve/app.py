@@ -312,11 +312,13 @@ def build_app(model: str, ladder: TauLadder, *, served_model_name: str | None = 
               max_tokens_limit: int = 1024, api_key: str | None = None, device: str = "auto", dtype: str = "auto",
               trust_remote_code: bool = False, mars_options: dict | None = None, enable_admin: bool = False,
               public_metrics: bool = False, max_body_bytes: int = 1 << 20, read_timeout: float = 30.0,
-              template_timeout: float = 10.0, trust_request_chat_template: bool = False):
-    """The FastAPI app: transformers serve's handlers on a `MARSBatchingManager`, behind our guard."""
+              template_timeout: float = 10.0, trust_request_chat_template: bool = False, kernels: str = "default"):
+    """The FastAPI app: transformers serve's handlers on a `MARSBatchingManager`, behind our guard. ``kernels``:
+    the served model's linear layers as loaded (``"default"``) or on oneDNN's (``"onednn"``, `use_kernels`)."""
     from fastapi import FastAPI
     from starlette.routing import Match
 
+    from ..bench.kernels import use_kernels
     from ..generation import enable_mars
 
     if api_key is not None and not api_key.strip():  # e.g. `--api-key "$KEY"` with KEY unset: not "no key"
@@ -328,7 +330,7 @@ def build_app(model: str, ladder: TauLadder, *, served_model_name: str | None = 
     manager = MARSBatchingManager(ladder, lossless=lossless, max_batch_size=max_batch_size, max_queue=max_queue,
                                   mars_options=mars_options, metrics=metrics)
     served = tf.ServedModel(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
-                            prepare=enable_mars)
+                            prepare=lambda loaded: use_kernels(enable_mars(loaded), kernels))
     admission = Admission(served_names={name, model}, max_prompt_tokens=max_prompt_tokens,
                           max_tokens_limit=max_tokens_limit, template_timeout=template_timeout,
                           trust_request_chat_template=trust_request_chat_template)

@@ -7,6 +7,7 @@ import importlib.util
 import signal
 import threading
 
+from ..bench.kernels import KERNELS
 from ..generation.config import MARSGenerationConfig, parse_draft_tree
 from .ladder import TauLadder
 
@@ -52,6 +53,10 @@ def add_arguments(p):
                         "on this server, so only for trusted clients.")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--kernels", default="default", choices=list(KERNELS),
+                   help="onednn: the model's linear layers on oneDNN's kernels (torch.utils.mkldnn; CPU, eager, "
+                        "inference only): on some CPUs MKL's few-row float32 matmuls are slow, a MARS step's most "
+                        "of all (see `hf-mars bench --kernels onednn`).")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--log-level", default="warning")
 
@@ -120,6 +125,8 @@ def run(args):
     for name in ("read_timeout", "template_timeout", "graceful_timeout"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}")
+    if args.kernels == "onednn" and args.device not in ("auto", "cpu"):
+        raise ValueError(f"--kernels onednn is for a model on the CPU; --device is {args.device!r}.")
     options = MARSGenerationConfig.from_arguments(args, SERVER_OPTIONS)
     if "mars_draft_tree" in options:
         if not args.lossless:
@@ -132,12 +139,14 @@ def run(args):
                     trust_remote_code=args.trust_remote_code, mars_options=options, enable_admin=args.enable_admin,
                     public_metrics=args.public_metrics, max_body_bytes=args.max_body_bytes,
                     read_timeout=args.read_timeout, template_timeout=args.template_timeout,
-                    trust_request_chat_template=args.trust_request_chat_template)
+                    trust_request_chat_template=args.trust_request_chat_template, kernels=args.kernels)
     from ._compat import untested_version
 
     if untested_version():
         print(f"warning: {untested_version()}", flush=True)
     mode = "lossless (verify)" if args.lossless else f"τ ladder {ladder}"
+    if args.kernels != "default":
+        mode += f", {args.kernels} kernels"
     print(f"hf-mars serve: {served_name(args.model, args.served_model_name)} on http://{args.host}:{args.port}/v1, "
           f"{mode}, batches of up to {args.max_batch_size}; metrics at /metrics", flush=True)
     # uvicorn's shutdown (SIGINT / SIGTERM) stops accepting, then waits up to --graceful-timeout for open requests;
