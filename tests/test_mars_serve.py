@@ -305,33 +305,76 @@ def test_legacy_completions_endpoint_batches_through_mars_too(server, tiny):
     assert got.choices[0].text == want
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
-def test_onednn_kernels_serve_the_converted_model_and_answer_like_its_greedy(tmp_path, capsys):
-    """`--kernels onednn`: the served model's linear layers on oneDNN's kernels (`use_kernels` in the loader's
-    prepare step), lossless answers equal to that model's own plain greedy; refused at start-up off the CPU."""
+@pytest.fixture(scope="module")
+def qwen2_onednn(tmp_path_factory):
+    """The demo's shipped base (a Qwen2: nn.Linear layers, all converted; its answers are text, not blank) saved as
+    a checkpoint, and its copy on oneDNN's kernels, the reference the served answers must equal."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_mars import add_mask_token
     from hf_mars.bench.kernels import to_onednn
+    from hf_mars.demo.pipeline import base_model_path
+
+    model, tok = AutoModelForCausalLM.from_pretrained(base_model_path()), AutoTokenizer.from_pretrained(base_model_path())
+    add_mask_token(model, tok)
+    ckpt = save_checkpoint(model, tok, tmp_path_factory.mktemp("onednn") / "ckpt")
+    return ckpt, to_onednn(model.eval()), tok
+
+
+def _linear_kinds(model):
+    return {type(m).__name__ for m in model.modules() if type(m).__name__ in ("Linear", "MkldnnLinear")}
+
+
+ONEDNN = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+
+
+@ONEDNN
+@pytest.mark.timeout(300)
+def test_onednn_kernels_convert_the_served_model_and_batched_rows_answer_like_its_greedy(qwen2_onednn,
+                                                                                         monkeypatch):
+    """`build_app(kernels="onednn")`: the model the server loads goes through `to_onednn` once (no nn.Linear left),
+    and requests decoded together on those kernels, in verify mode, each equal that model's plain greedy alone."""
+    from fastapi.testclient import TestClient
+
+    from hf_mars.bench import kernels
+    from hf_mars.serve.app import build_app
+
+    ckpt, converted, tok = qwen2_onednn
+    assert _linear_kinds(converted) == {"MkldnnLinear"}
+    served, real = [], kernels.to_onednn
+    monkeypatch.setattr(kernels, "to_onednn", lambda model: served.append(real(model)) or served[-1])
+    with TestClient(build_app(str(ckpt), TauLadder("0:1.0"), lossless=True, kernels="onednn")) as client:
+        body = {"model": "ckpt", "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 24,
+                "temperature": 0}
+        got = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    assert len(served) == 1 and _linear_kinds(served[0]) == {"MkldnnLinear"}
+    assert got == tok.decode(_plain(converted, tok, PROMPTS[0], 24), skip_special_tokens=True)
+    manager = MARSBatchingManager(TauLadder("0:1.0"), lossless=True, max_batch_size=8)
+    try:
+        results = asyncio.run(_burst(manager, converted, tok, PROMPTS, 24))
+        for (_text, _prompt_len, ids), prompt in zip(results, PROMPTS):
+            assert ids.tolist() == _plain(converted, tok, prompt, 24)
+        m = manager.metrics
+        assert _sample(m, "hf_mars_batch_size_sum") > _sample(m, "hf_mars_batch_size_count")  # rows shared steps
+    finally:
+        manager.stop()
+
+
+@ONEDNN
+@pytest.mark.timeout(300)
+def test_onednn_kernels_from_the_command_line(qwen2_onednn, tmp_path, capsys):
+    """`hf-mars serve --kernels onednn`: refused at start-up off the CPU; a real server process answers like the
+    converted model's greedy and names the kernels in its banner."""
     from hf_mars.cli import main
 
     assert main(["serve", "no-such-model", "--kernels", "onednn", "--device", "cuda"]) == 2
     assert "for a model on the CPU" in capsys.readouterr().err
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hf_mars import add_mask_token
-    from hf_mars.demo.pipeline import base_model_path
-
-    # the demo's shipped base (a Qwen2: nn.Linear layers, all converted; its answers are text, not blank)
-    model, tok = AutoModelForCausalLM.from_pretrained(base_model_path()), AutoTokenizer.from_pretrained(base_model_path())
-    add_mask_token(model, tok)
-    ckpt = save_checkpoint(model, tok, tmp_path / "ckpt")
-    converted = to_onednn(model.eval())
-    assert type(converted.lm_head).__name__ == "MkldnnLinear"
+    ckpt, converted, tok = qwen2_onednn
     proc, port = _start(ckpt, tmp_path, "--lossless", "--kernels", "onednn")
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
-        for prompt in PROMPTS[:2]:
-            want = tok.decode(_plain(converted, tok, prompt, 24), skip_special_tokens=True)
-            assert _chat(client, prompt, n=24) == want
+        want = tok.decode(_plain(converted, tok, PROMPTS[1], 24), skip_special_tokens=True)
+        assert _chat(client, PROMPTS[1], n=24) == want
     finally:
         proc.terminate()
         banner = proc.communicate(timeout=60)[0]
