@@ -48,11 +48,20 @@ def to_onednn(model):
         return mkldnn.to_mkldnn(model, dtype)
 
 
+def check_kernels(kernels: str, device: str = "auto") -> None:
+    """A clear error before anything loads for a ``--kernels`` choice that cannot apply: an unknown name, or
+    oneDNN's kernels asked for with a ``device`` other than the CPU (``"auto"`` is checked on the loaded model,
+    `check_onednn`)."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(KERNELS)}; got {kernels!r}.")
+    if kernels == "onednn" and str(device) not in ("auto", "cpu"):
+        raise ValueError(f"oneDNN kernels (--kernels onednn) are for a model on the CPU; --device is {device!r}.")
+
+
 def use_kernels(model, kernels: str):
     """``model`` on the named kernels (`KERNELS`): unchanged for ``"default"``, `to_onednn` for ``"onednn"``.
     The one place a ``--kernels`` choice is applied (`hf-mars bench`, `hf-mars serve`)."""
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels must be one of {', '.join(KERNELS)}; got {kernels!r}.")
+    check_kernels(kernels)
     return to_onednn(model) if kernels == "onednn" else model
 
 

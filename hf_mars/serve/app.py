@@ -318,9 +318,10 @@ def build_app(model: str, ladder: TauLadder, *, served_model_name: str | None = 
     from fastapi import FastAPI
     from starlette.routing import Match
 
-    from ..bench.kernels import use_kernels
+    from ..bench.kernels import check_kernels, use_kernels
     from ..generation import enable_mars
 
+    check_kernels(kernels, device)  # (before the model loads)
     if api_key is not None and not api_key.strip():  # e.g. `--api-key "$KEY"` with KEY unset: not "no key"
         raise ValueError("--api-key is empty: pass a non-empty key, or leave --api-key out to serve without one")
     if enable_admin and not api_key:

@@ -125,8 +125,6 @@ def run(args):
     for name in ("read_timeout", "template_timeout", "graceful_timeout"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}")
-    if args.kernels == "onednn" and args.device not in ("auto", "cpu"):
-        raise ValueError(f"--kernels onednn is for a model on the CPU; --device is {args.device!r}.")
     options = MARSGenerationConfig.from_arguments(args, SERVER_OPTIONS)
     if "mars_draft_tree" in options:
         if not args.lossless:
